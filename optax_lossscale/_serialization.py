@@ -1,0 +1,223 @@
+"""`get`, `serialize` and `deserialize`, in TensorFlow's and Keras' format."""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import jax
+import numpy as np
+
+from optax_lossscale._loss_scale import (
+    DynamicLossScale,
+    FixedLossScale,
+    LossScale,
+    NoOpLossScale,
+)
+
+__all__ = ["deserialize", "get", "register_loss_scale", "serialize"]
+
+_BUILTINS: dict[str, type[LossScale]] = {
+    "FixedLossScale": FixedLossScale,
+    "DynamicLossScale": DynamicLossScale,
+    "NoOpLossScale": NoOpLossScale,
+}
+_registered: dict[str, type[LossScale]] = {}
+
+# Keys Keras' `serialize_keras_object` writes beside `class_name` and `config`;
+# they name Python modules, which are never imported here.
+_KERAS_KEYS = {"module", "registered_name"}
+
+
+def register_loss_scale(cls: type[LossScale]) -> type[LossScale]:
+  """Lets `deserialize` build `cls` from a config naming `cls.__name__`.
+
+  `deserialize` only builds the built-in loss scales and the classes
+  registered here; it never imports or looks up anything a config names.
+  Usable as a class decorator.
+
+  Args:
+    cls: a subclass of `LossScale` with `get_config`/`from_config`.
+
+  Returns:
+    `cls`, unchanged.
+
+  Raises:
+    TypeError: if `cls` is not a subclass of `LossScale`.
+    ValueError: if another class is registered, or built in, under its name.
+
+  Examples:
+    >>> import optax_lossscale as ols
+    >>> @ols.register_loss_scale
+    ... class MyLossScale(ols.NoOpLossScale):
+    ...   pass
+    >>> ols.deserialize({"class_name": "MyLossScale", "config": {}})
+    MyLossScale()
+  """
+  if not (isinstance(cls, type) and issubclass(cls, LossScale)):
+    raise TypeError(
+        "`register_loss_scale(cls)` takes a subclass of LossScale, got"
+        f" {cls!r:.80}."
+    )
+  name = cls.__name__
+  known = _BUILTINS.get(name) or _registered.get(name)
+  if known is not None and known is not cls:
+    raise ValueError(
+        f"`register_loss_scale(cls)`: the name {name!r} is already taken by"
+        f" {known!r}."
+    )
+  _registered[name] = cls
+  return cls
+
+
+def serialize(loss_scale: LossScale) -> dict[str, Any]:
+  """Returns `{"class_name": ..., "config": ...}`, the TF/Keras format.
+
+  Only the hyperparameters are kept, as in TensorFlow; save the array state
+  (for example with Orbax) to resume a run.
+
+  Args:
+    loss_scale: a `LossScale`.
+
+  Returns:
+    A JSON-compatible dict.
+
+  Raises:
+    TypeError: if `loss_scale` is not a `LossScale`.
+
+  Examples:
+    >>> import optax_lossscale as ols
+    >>> ols.serialize(ols.FixedLossScale(64))
+    {'class_name': 'FixedLossScale', 'config': {'loss_scale_value': 64.0}}
+  """
+  if not isinstance(loss_scale, LossScale):
+    raise TypeError(
+        "`serialize(loss_scale)` takes a LossScale, got"
+        f" {type(loss_scale).__name__}."
+    )
+  return {
+      "class_name": type(loss_scale).__name__,
+      "config": loss_scale.get_config(),
+  }
+
+
+def _keras_optimizer_loss_scale(config: dict[str, Any]) -> LossScale:
+  """The loss scale of a Keras `LossScaleOptimizer` config."""
+  if isinstance(config.get("loss_scale"), (dict, numbers.Real, str)):
+    # TF 2.3's `mixed_precision.experimental.LossScaleOptimizer`.
+    return _get(config["loss_scale"], "deserialize(config)")
+  initial = config.get("initial_scale", 2.0**15)
+  if not config.get("dynamic", True):
+    return FixedLossScale(initial)
+  return DynamicLossScale(
+      initial_loss_scale=initial,
+      increment_period=config.get("dynamic_growth_steps", 2000),
+  )
+
+
+def deserialize(config: dict[str, Any]) -> LossScale:
+  """Builds a loss scale from `serialize`'s dict, or TensorFlow's or Keras'.
+
+  Accepted: `{"class_name": name, "config": {...}}` for `FixedLossScale`,
+  `DynamicLossScale`, `NoOpLossScale` and registered classes, with the extra
+  `module`/`registered_name` keys newer Keras versions write (ignored); and
+  the config of a Keras `LossScaleOptimizer` (`class_name`
+  `"LossScaleOptimizer"`), from which the loss scale is taken.
+
+  Nothing named in `config` is imported, looked up or called beyond the
+  built-in classes and those passed to `register_loss_scale`.
+
+  Args:
+    config: a dict.
+
+  Returns:
+    A `LossScale` in its initial state.
+
+  Raises:
+    ValueError: if the dict is malformed, the class is unknown or a value is
+      invalid.
+    TypeError: if `config` or one of its values has the wrong type.
+
+  Examples:
+    >>> import optax_lossscale as ols
+    >>> ols.deserialize({"class_name": "DynamicLossScale",
+    ...                  "config": {"initial_loss_scale": 256.0,
+    ...                             "increment_period": 100,
+    ...                             "multiplier": 2.0}}).get_config()
+    ... # doctest: +NORMALIZE_WHITESPACE
+    {'initial_loss_scale': 256.0, 'increment_period': 100, 'multiplier': 2.0,
+     'min_loss_scale': 1.0, 'max_loss_scale': None}
+  """
+  where = "`deserialize(config)`"
+  if not isinstance(config, dict):
+    raise TypeError(f"{where} takes a dict, got {type(config).__name__}.")
+  unknown = set(config) - {"class_name", "config"} - _KERAS_KEYS
+  if "class_name" not in config or "config" not in config or unknown:
+    raise ValueError(
+        f"{where} takes a dict with the keys 'class_name' and 'config', got"
+        f" the keys {sorted(map(repr, config))}."
+    )
+  name, inner = config["class_name"], config["config"]
+  if not isinstance(name, str):
+    raise ValueError(
+        f"{where}: 'class_name' must be a string, got {type(name).__name__}."
+    )
+  if not isinstance(inner, dict) or not all(isinstance(k, str) for k in inner):
+    raise ValueError(f"{where}: 'config' must be a dict with string keys.")
+  if name == "LossScaleOptimizer":
+    return _keras_optimizer_loss_scale(inner)
+  cls = _BUILTINS.get(name) or _registered.get(name)
+  if cls is None:
+    raise ValueError(
+        f"{where}: unknown loss scale class {name!r:.80}; known:"
+        f" {sorted(_BUILTINS) + sorted(_registered)}. Register your own with"
+        " `register_loss_scale`."
+    )
+  return cls.from_config(inner)
+
+
+def _get(identifier: Any, where: str) -> LossScale:
+  if isinstance(identifier, LossScale):
+    return identifier
+  if isinstance(identifier, (bool, np.bool_)):
+    raise ValueError(
+        f"`{where}` could not interpret the loss scale {identifier!r}."
+    )
+  if isinstance(identifier, (numbers.Real, np.ndarray, np.generic, jax.Array)):
+    return FixedLossScale(identifier)
+  if isinstance(identifier, str) and identifier == "dynamic":
+    return DynamicLossScale()
+  if isinstance(identifier, dict):
+    return deserialize(identifier)
+  raise ValueError(
+      f"`{where}` could not interpret the loss scale {identifier!r:.80}: pass"
+      " a number, 'dynamic', a LossScale, a serialized dict or None."
+  )
+
+
+def get(identifier: Any) -> LossScale | None:
+  """Returns a loss scale from a number, `"dynamic"`, a dict or a loss scale.
+
+  TensorFlow's `get`: a number gives `FixedLossScale(number)`, `"dynamic"`
+  gives `DynamicLossScale()`, a `LossScale` is returned as it is, a dict is
+  passed to `deserialize`, and None gives None.
+
+  Args:
+    identifier: what to interpret.
+
+  Returns:
+    A `LossScale`, or None.
+
+  Raises:
+    ValueError: for anything else.
+
+  Examples:
+    >>> import optax_lossscale as ols
+    >>> ols.get(1024)
+    FixedLossScale(loss_scale_value=1024.0)
+    >>> type(ols.get("dynamic")).__name__
+    'DynamicLossScale'
+  """
+  if identifier is None:
+    return None
+  return _get(identifier, "get(identifier)")
