@@ -65,6 +65,10 @@ def _check_loss_scale(call: str, loss_scale: Any) -> None:
     )
 
 
+def _fresh_copy(loss_scale: LossScale) -> LossScale:
+  return jax.tree.map(jnp.copy, loss_scale)
+
+
 def _check_state(call: str, state: Any, state_type: type) -> None:
   if not isinstance(state, state_type):
     raise TypeError(
@@ -125,7 +129,7 @@ def unscale_gradients(
 
   def init_fn(params: optax.Params) -> UnscaleGradientsState:
     del params
-    return UnscaleGradientsState(loss_scale, jnp.array(True))
+    return UnscaleGradientsState(_fresh_copy(loss_scale), jnp.array(True))
 
   def update_fn(
       updates: optax.Updates,
@@ -199,6 +203,8 @@ def loss_scale_optimizer(
     >>> optax.apply_updates(params, updates)["w"], ols.get_loss_scale(state)()
     (Array(3., dtype=float32), Array(4., dtype=float32))
   """
+  if isinstance(inner, optax.MultiSteps):
+    inner = inner.gradient_transformation()
   if not isinstance(inner, optax.GradientTransformation):
     raise TypeError(
         "`loss_scale_optimizer(inner=...)` must be an Optax transformation"
@@ -214,13 +220,14 @@ def loss_scale_optimizer(
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params: optax.Params) -> LossScaleOptimizerState:
-    zero = jnp.zeros((), jnp.int32)
+    # Fresh arrays throughout: a donated state must not share buffers with
+    # itself or with the loss scale this factory holds.
     return LossScaleOptimizerState(
-        loss_scale=loss_scale,
+        loss_scale=_fresh_copy(loss_scale),
         inner_state=inner.init(params),
         should_apply=jnp.array(True),
-        skipped_steps=zero,
-        consecutive_skipped_steps=zero,
+        skipped_steps=jnp.zeros((), jnp.int32),
+        consecutive_skipped_steps=jnp.zeros((), jnp.int32),
     )
 
   def update_fn(

@@ -1,0 +1,46 @@
+"""all_finite: one verdict for a whole tree."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import optax_lossscale as ols
+
+
+@pytest.mark.parametrize(
+    "dtype", [jnp.float16, jnp.bfloat16, jnp.float32, jnp.complex64]
+)
+@pytest.mark.parametrize("bad", [jnp.nan, jnp.inf, -jnp.inf])
+def test_all_finite_detects_one_bad_element(dtype, bad):
+  tree = {"a": jnp.ones((4, 3), dtype), "b": [jnp.zeros(5, dtype), None]}
+  assert bool(ols.all_finite(tree))
+  assert bool(jax.jit(ols.all_finite)(tree))
+  for position in [(0, 0), (3, 2), (1, 1)]:
+    broken = dict(tree, a=tree["a"].at[position].set(jnp.asarray(bad, dtype)))
+    assert not bool(ols.all_finite(broken))
+    assert not bool(jax.jit(ols.all_finite)(broken))
+
+
+def test_all_finite_complex_with_large_finite_parts_is_finite():
+  big = jnp.float32(3e38)
+  value = jax.lax.complex(big, big)
+  assert bool(ols.all_finite(value[None]))
+
+
+def test_all_finite_largest_float16_is_finite():
+  assert bool(ols.all_finite(jnp.array([65504.0, -65504.0], jnp.float16)))
+
+
+@pytest.mark.parametrize("tree", [{}, [], None, [None, None], jnp.zeros((0,))])
+def test_empty_trees_are_finite(tree):
+  out = ols.all_finite(tree)
+  assert out.dtype == jnp.bool_ and out.shape == () and bool(out)
+
+
+def test_integer_and_float0_leaves_are_ignored():
+  grads = jax.grad(lambda x, n: jnp.sum(x), argnums=(0, 1), allow_int=True)(
+      jnp.ones(2), 3
+  )
+  assert bool(ols.all_finite([grads, jnp.arange(3)]))
