@@ -1,0 +1,165 @@
+"""Run in a subprocess with 8 host CPU devices (see test_multidevice.py)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+
+import sys  # noqa: E402
+from functools import partial  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import optax_lossscale as ols  # noqa: E402
+
+assert jax.device_count() == 8, jax.devices()
+N = 8
+AUTO = jax.sharding.AxisType.Auto
+
+
+def _mesh(shape, names):
+  return jax.make_mesh(shape, names, axis_types=(AUTO,) * len(shape))
+
+
+def _make(axis_name=None):
+  return ols.loss_scale_optimizer(
+      optax.sgd(0.1), ols.DynamicLossScale(2.0**10, 2), axis_name=axis_name)
+
+
+def _per_replica_grads(step, bad_replica):
+  grads = np.ones((N, 4), np.float32) * 2.0**10
+  if step == 0:
+    grads[bad_replica, 1] = np.nan
+  return {"w": jnp.asarray(grads)}
+
+
+def check_pmap():
+  tx = _make("i")
+  params = {"w": jnp.zeros((N, 4))}
+  state = jax.pmap(tx.init)(params)
+
+  @partial(jax.pmap, axis_name="i")
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  for t in range(2):
+    params, state = step(params, state, _per_replica_grads(t, 3))
+    scales = np.asarray(state.loss_scale.current_loss_scale)
+    applied = np.asarray(state.should_apply)
+    assert len(set(scales.tolist())) == 1, scales
+    if t == 0:
+      assert not applied.any() and scales[0] == 2.0**9
+      np.testing.assert_array_equal(params["w"], 0.0)
+    else:
+      assert applied.all()
+      # 2**10 unscaled by the halved scale 2**9 is 2; times the rate 0.1.
+      np.testing.assert_allclose(params["w"], -0.2, rtol=1e-6)
+  # The per-replica verdict really differs without axis_name.
+  plain = _make(None)
+  s0 = jax.pmap(plain.init)(params)
+  _, s1 = jax.pmap(plain.update)(_per_replica_grads(0, 3), s0, params)
+  assert np.asarray(s1.should_apply).sum() == N - 1
+
+
+def check_shard_map():
+  mesh = _mesh((N,), ("i",))
+  tx = _make("i")
+  params = {"w": jnp.zeros((N, 4))}
+  state = tx.init({"w": jnp.zeros((1, 4))})
+
+  @jax.jit
+  @partial(jax.shard_map, mesh=mesh, in_specs=(P("i"), P(), P("i")),
+           out_specs=(P("i"), P()), check_vma=False)
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  sharded = NamedSharding(mesh, P("i"))
+  params = jax.device_put(params, sharded)
+  params, state = step(params, state,
+                       jax.device_put(_per_replica_grads(0, 5), sharded))
+  assert not bool(state.should_apply)
+  assert float(state.loss_scale()) == 2.0**9
+  np.testing.assert_array_equal(params["w"], 0.0)
+  params, state = step(params, state,
+                       jax.device_put(_per_replica_grads(1, 5), sharded))
+  assert bool(state.should_apply)
+  np.testing.assert_allclose(params["w"], -0.2, rtol=1e-6)
+
+
+def _sharded_run(mesh, param_spec, data_spec):
+  key = jax.random.PRNGKey(0)
+  x = jax.random.normal(key, (16, 8))
+  y = x @ jnp.arange(8.0)[:, None]
+  params = {"w": jnp.zeros((8, 8)), "v": jnp.zeros((8, 1))}
+
+  def loss_fn(p, x, y):
+    h = x.astype(jnp.float16) @ p["w"].astype(jnp.float16)
+    pred = (h @ p["v"].astype(jnp.float16)).astype(jnp.float32)
+    return jnp.mean((pred - y) ** 2) + jnp.sum(p["w"] ** 2) * 1e-3
+
+  tx = ols.loss_scale_optimizer(optax.adam(1e-2),
+                                ols.DynamicLossScale(2.0**15, 3))
+
+  def step(params, state, x, y):
+    _, grads = ols.scaled_value_and_grad(loss_fn)(state, params, x, y)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  state = tx.init(params)
+  applied = []
+  if mesh is not None:
+    ps = {k: NamedSharding(mesh, param_spec[k]) for k in params}
+    params = jax.device_put(params, ps)
+    state = tx.init(params)
+    x = jax.device_put(x, NamedSharding(mesh, data_spec))
+    y = jax.device_put(y, NamedSharding(mesh, data_spec))
+    in_state_shardings = jax.tree.map(lambda a: a.sharding, state)
+  run = jax.jit(step, donate_argnums=(0, 1))
+  for _ in range(12):
+    params, state = run(params, state, x, y)
+    applied.append(bool(state.should_apply))
+  if mesh is not None:
+    for k in params:
+      assert params[k].sharding.is_equivalent_to(ps[k], 2), params[k].sharding
+    out_state_shardings = jax.tree.map(lambda a: a.sharding, state)
+    for a, b, leaf in zip(jax.tree.leaves(in_state_shardings),
+                          jax.tree.leaves(out_state_shardings),
+                          jax.tree.leaves(state), strict=True):
+      if leaf.ndim:  # arrays keep their sharding: nothing is gathered
+        assert b.is_equivalent_to(a, leaf.ndim), (a, b)
+      else:  # scalars (the loss scale, counters) end up replicated
+        assert b.is_fully_replicated, b
+    assert state.loss_scale.current_loss_scale.sharding.is_fully_replicated
+  return params, state, applied
+
+
+def check_sharded_jit():
+  ref_params, ref_state, ref_applied = _sharded_run(None, None, None)
+  assert not all(ref_applied)  # 2**15 overflows float16 at first
+  data_mesh = _mesh((N,), ("data",))
+  model_mesh = _mesh((2, 4), ("data", "model"))
+  for mesh, pspec, dspec in [
+      (data_mesh, {"w": P(), "v": P()}, P("data")),
+      (model_mesh, {"w": P(None, "model"), "v": P("model", None)}, P("data")),
+  ]:
+    params, state, applied = _sharded_run(mesh, pspec, dspec)
+    assert applied == ref_applied
+    assert float(state.loss_scale()) == float(ref_state.loss_scale())
+    assert int(state.skipped_steps) == int(ref_state.skipped_steps)
+    for k in params:
+      np.testing.assert_allclose(params[k], ref_params[k], rtol=2e-3,
+                                 atol=1e-5)
+
+
+if __name__ == "__main__":
+  for name in sys.argv[1:]:
+    globals()[f"check_{name}"]()
+    print("ok", name)

@@ -1,0 +1,57 @@
+"""One of two processes of the multi-process check (see test_multidevice.py)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import optax_lossscale as ols  # noqa: E402
+
+port, rank, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2,
+                           process_id=rank, initialization_timeout=60)
+assert jax.device_count() == 4 and jax.local_device_count() == 2
+mesh = jax.make_mesh((4,), ("data",),
+                     axis_types=(jax.sharding.AxisType.Auto,))
+data = NamedSharding(mesh, P("data"))
+replicated = NamedSharding(mesh, P())
+
+tx = ols.loss_scale_optimizer(optax.sgd(0.1), ols.DynamicLossScale(2.0**10, 2))
+
+
+@jax.jit
+def step(params, state, grads):
+  # Per-example gradients, sharded over the data axis, averaged globally.
+  grads = {"w": jnp.mean(grads, axis=0)}
+  updates, state = tx.update(grads, state, params)
+  return optax.apply_updates(params, updates), state
+
+
+params = jax.device_put({"w": jnp.zeros(3)}, replicated)
+state = jax.device_put(tx.init({"w": jnp.zeros(3)}), replicated)
+for t in range(2):
+  local = np.full((2, 3), 2.0**10, np.float32)
+  if t == 0 and rank == 1:
+    local[1, 2] = np.nan  # only this process's shard is poisoned
+  grads = jax.make_array_from_process_local_data(data, local, (4, 3))
+  params, state = step(params, state, grads)
+  applied = bool(state.should_apply)
+  assert applied == (t == 1), (t, applied)
+
+result = np.concatenate([
+    np.asarray(params["w"].addressable_data(0)).ravel(),
+    [float(state.loss_scale.current_loss_scale.addressable_data(0))],
+    [int(state.skipped_steps.addressable_data(0))],
+])
+np.save(out, result)
+jax.distributed.shutdown()

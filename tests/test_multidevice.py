@@ -1,0 +1,62 @@
+"""Replicas agree on every skip: pmap, shard_map and sharded jit on 8 CPUs.
+
+Each check runs in a subprocess, because the number of host devices is fixed
+when JAX starts.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _run(*checks: str, timeout: int = 240) -> None:
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+  result = subprocess.run(
+      [sys.executable, str(ROOT / "tests" / "multidevice_checks.py"), *checks],
+      env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+  assert result.returncode == 0, result.stdout + result.stderr
+  for check in checks:
+    assert f"ok {check}" in result.stdout
+
+
+@pytest.mark.parametrize("check", ["pmap", "shard_map", "sharded_jit"])
+def test_replicas_agree(check):
+  _run(check)
+
+
+def test_two_processes_agree_on_a_skip(tmp_path):
+  import socket
+
+  import numpy as np
+
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  procs = [
+      subprocess.Popen(
+          [sys.executable, str(ROOT / "tests" / "multiprocess_worker.py"),
+           str(port), str(rank), str(tmp_path / f"out{rank}.npy")],
+          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+      for rank in range(2)
+  ]
+  try:
+    outputs = [p.communicate(timeout=110)[0] for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+  for p, output in zip(procs, outputs, strict=True):
+    assert p.returncode == 0, output
+  a, b = (np.load(tmp_path / f"out{rank}.npy") for rank in range(2))
+  np.testing.assert_array_equal(a, b)  # bit-equal params, scale, counters
+  np.testing.assert_allclose(a[:3], -0.2, rtol=1e-6)
+  assert a[3] == 2.0**9 and a[4] == 1
