@@ -45,7 +45,7 @@ def scaled_value_and_grad(
     >>> loss, grads = ols.scaled_value_and_grad(loss_fn)(
     ...     ols.FixedLossScale(1024), jnp.array([1e-4, 2.0]))
     >>> loss, grads
-    (Array(4., dtype=float16), Array([2.0471e-01, 4.0960e+03], dtype=float32))
+    (Array(4., dtype=float16), Array([2.0483398e-01, 4.0960000e+03], dtype=float32))
   """
   if not callable(fun):
     raise TypeError(

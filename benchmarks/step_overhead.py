@@ -1,0 +1,249 @@
+"""Cost of loss scaling in a donated train step, against plain Adam and peers.
+
+Usage: python benchmarks/step_overhead.py [--quick] [--max-peer-leaves N]
+
+Everything is measured in one process on the same pytrees, in train-step
+shape: jitted, with parameters and optimizer state donated and fed back. The
+gradients are an input (scaled by 2**10). Prints a table, writes
+benchmarks/RESULTS.md and benchmarks/step_overhead.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import optax_lossscale as ols
+
+SCALE = 2.0**10
+
+
+def _adam() -> optax.GradientTransformation:
+  return optax.adam(1e-3)
+
+
+def config_plain():
+  tx = _adam()
+
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  return tx.init, step
+
+
+def config_loss_scale_optimizer():
+  tx = ols.loss_scale_optimizer(_adam(), ols.DynamicLossScale(SCALE))
+
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  return tx.init, step
+
+
+def config_unscale_gradients():
+  tx = optax.chain(ols.unscale_gradients(ols.DynamicLossScale(SCALE)), _adam())
+
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  return tx.init, step
+
+
+def config_jmp():
+  import jmp
+
+  tx = _adam()
+
+  def init(params):
+    return tx.init(params), jmp.DynamicLossScale(jnp.float32(SCALE))
+
+  def step(params, state, grads):
+    opt_state, loss_scale = state
+    grads = loss_scale.unscale(grads)
+    finite = jmp.all_finite(grads)
+    loss_scale = loss_scale.adjust(finite)
+    updates, new_opt_state = tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    params = jmp.select_tree(finite, new_params, params)
+    opt_state = jmp.select_tree(finite, new_opt_state, opt_state)
+    return params, (opt_state, loss_scale)
+
+  return init, step
+
+
+def config_flax_pattern():
+  # flax.training.dynamic_scale.DynamicScale: unscale, a finiteness check per
+  # leaf, then jnp.where over every leaf of params and optimizer state.
+  tx = _adam()
+
+  def init(params):
+    return tx.init(params), jnp.float32(SCALE)
+
+  def step(params, state, grads):
+    opt_state, scale = state
+    grads = jax.tree.map(lambda g: (g / scale).astype(g.dtype), grads)
+    finite = jnp.array(True)
+    for g in jax.tree.leaves(grads):
+      finite &= jnp.all(jnp.isfinite(g))
+    updates, new_opt_state = tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    sel = lambda a, b: jnp.where(finite, a, b)  # noqa: E731
+    params = jax.tree.map(sel, new_params, params)
+    opt_state = jax.tree.map(sel, new_opt_state, opt_state)
+    return params, (opt_state, jnp.where(finite, scale, scale / 2))
+
+  return init, step
+
+
+def config_apply_if_finite():
+  tx = optax.apply_if_finite(_adam(), max_consecutive_errors=5)
+
+  def step(params, state, grads):
+    grads = jax.tree.map(lambda g: (g / SCALE).astype(g.dtype), grads)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  return tx.init, step
+
+
+CONFIGS: dict[str, Callable[[], Any]] = {
+    "plain adam": config_plain,
+    "loss_scale_optimizer": config_loss_scale_optimizer,
+    "chain(unscale_gradients, adam)": config_unscale_gradients,
+    "jmp select_tree": config_jmp,
+    "flax DynamicScale pattern": config_flax_pattern,
+    "optax.apply_if_finite": config_apply_if_finite,
+}
+PEERS = {"jmp select_tree", "flax DynamicScale pattern", "optax.apply_if_finite"}
+
+
+def make_tree(n_leaves: int, leaf_size: int, key: int = 0):
+  keys = jax.random.split(jax.random.PRNGKey(key), n_leaves)
+  params = {f"p{i:04d}": jax.random.normal(k, (leaf_size,))
+            for i, k in enumerate(keys)}
+  return params
+
+
+def measure(name, params, grad_dtype, repeats, scan_steps):
+  init, step = CONFIGS[name]()
+  grads = jax.tree.map(lambda p: (p * SCALE * 1e-3).astype(grad_dtype), params)
+  jitted = jax.jit(step, donate_argnums=(0, 1))
+  p = jax.tree.map(jnp.copy, params)
+  s = init(p)
+  t0 = time.perf_counter()
+  compiled = jitted.lower(p, s, grads).compile()
+  compile_s = time.perf_counter() - t0
+  mem = compiled.memory_analysis()
+  temp = getattr(mem, "temp_size_in_bytes", float("nan"))
+  p, s = compiled(p, s, grads)
+  jax.block_until_ready(p)
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    p, s = compiled(p, s, grads)
+    jax.block_until_ready(p)
+    times.append(time.perf_counter() - t0)
+  scan_s = float("nan")
+  if scan_steps:
+    def loop(p, s, g):
+      return jax.lax.scan(lambda c, _: (step(*c, g), None), (p, s), None,
+                          length=scan_steps)[0]
+    loop_c = jax.jit(loop, donate_argnums=(0, 1)).lower(p, s, grads).compile()
+    t0 = time.perf_counter()
+    jax.block_until_ready(loop_c(p, s, grads))
+    scan_s = time.perf_counter() - t0
+  return dict(step=float(np.median(times)), compile=compile_s, temp=temp,
+              scan=scan_s)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true",
+                      help="fewer repeats and workloads")
+  parser.add_argument("--max-peer-leaves", type=int, default=100,
+                      help="skip peers above this many leaves (jmp needs"
+                      " minutes and GBs to compile at 400 leaves)")
+  parser.add_argument("--out", default="benchmarks")
+  args = parser.parse_args()
+  repeats = 10 if args.quick else 30
+  header = (f"jax {jax.__version__}, optax {optax.__version__}, "
+            f"{jax.devices()[0].platform} ({platform.processor() or platform.machine()},"
+            f" {jax.local_device_count()} device(s)), python {platform.python_version()}")
+  print(header)
+  rows = []
+
+  def run(workload, params, dtype, names, scan_steps):
+    base = None
+    for name in names:
+      r = measure(name, params, dtype, repeats, scan_steps)
+      if name == "plain adam":
+        base = r
+      rows.append((workload, jnp.dtype(dtype).name, name, r, base))
+      print(f"{workload:>16} {jnp.dtype(dtype).name:>8} {name:>32}: "
+            f"step {r['step'] * 1e3:8.2f} ms ({r['step'] / base['step']:.2f}x)"
+            f"  compile {r['compile']:6.2f} s ({r['compile'] / base['compile']:.2f}x)"
+            f"  temp {r['temp'] / 2**20:8.1f} MiB  scan {r['scan']:.2f} s",
+            flush=True)
+
+  big = make_tree(8, 2_000_000)
+  for dtype in ([jnp.float32] if args.quick else
+                [jnp.float32, jnp.float16, jnp.bfloat16]):
+    run("16M / 8 leaves", big, dtype, list(CONFIGS),
+        0 if dtype != jnp.float32 else (100 if args.quick else 1000))
+  del big
+  leaf_counts = [10, 100, 400] if args.quick else [10, 100, 400, 2000]
+  for n in leaf_counts:
+    names = [c for c in CONFIGS
+             if c not in PEERS or n <= args.max_peer_leaves]
+    run(f"{n} leaves x 1000", make_tree(n, 1000), jnp.float32, names, 0)
+
+  with open(f"{args.out}/RESULTS.md", "w") as f:
+    f.write(f"# step_overhead results\n\n{header}\n\n")
+    f.write("| workload | grads | configuration | step (ms) | vs adam | "
+            "compile (s) | vs adam | temp (MiB) | 1000-step scan (s) |\n")
+    f.write("|---|---|---|---|---|---|---|---|---|\n")
+    for workload, dtype, name, r, base in rows:
+      f.write(f"| {workload} | {dtype} | {name} | {r['step'] * 1e3:.2f} | "
+              f"{r['step'] / base['step']:.2f}x | {r['compile']:.2f} | "
+              f"{r['compile'] / base['compile']:.2f}x | {r['temp'] / 2**20:.1f} | "
+              f"{r['scan']:.2f} |\n")
+  try:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    print("matplotlib is missing (pip install 'optax_lossscale[bench]'); no plot")
+    return
+  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+  for name in CONFIGS:
+    pts = [(int(w.split()[0]), r["step"] / b["step"], r["compile"])
+           for w, d, n, r, b in rows if n == name and "x 1000" in w]
+    if pts:
+      xs, ratio, comp = zip(*pts, strict=True)
+      ax1.plot(xs, ratio, "o-", label=name)
+      ax2.plot(xs, comp, "o-", label=name)
+  for ax, title in [(ax1, "step time / plain adam"), (ax2, "compile time (s)")]:
+    ax.set_xscale("log")
+    ax.set_xlabel("leaves (1,000 params each)")
+    ax.set_title(title)
+  ax2.set_yscale("log")
+  ax1.legend(fontsize=7)
+  fig.suptitle(header, fontsize=7)
+  fig.tight_layout()
+  fig.savefig(f"{args.out}/step_overhead.png", dpi=80)
+
+
+if __name__ == "__main__":
+  main()

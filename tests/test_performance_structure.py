@@ -1,0 +1,77 @@
+"""The design that makes the step fast, checked structurally (not timed)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from jax import lax
+
+import optax_lossscale as ols
+
+pytestmark = pytest.mark.usefixtures("standard_promotion")
+
+REDUCTIONS = {lax.reduce_max_p, lax.reduce_min_p, lax.reduce_sum_p,
+              lax.reduce_and_p, lax.reduce_or_p, lax.reduce_prod_p}
+
+
+def _tree(n):
+  return {f"p{i}": jnp.ones((10, 10)) for i in range(n)}
+
+
+def _update_jaxpr(tx, n):
+  params = _tree(n)
+  return jax.make_jaxpr(tx.update)(params, tx.init(params), params).jaxpr
+
+
+@pytest.mark.parametrize("n", [3, 50])
+def test_one_reduction_per_leaf_outside_the_inner_update(n):
+  tx = ols.loss_scale_optimizer(optax.adam(1e-3), ols.DynamicLossScale())
+  jaxpr = _update_jaxpr(tx, n)
+  outside = [e for e in jaxpr.eqns
+             if e.primitive in REDUCTIONS and e.invars[0].aval.shape == (10, 10)]
+  assert len(outside) == n  # one read of each gradient leaf
+  elementwise_outside = [
+      e for e in jaxpr.eqns
+      if e.primitive not in REDUCTIONS and e.primitive is not lax.cond_p
+      and any(getattr(v.aval, "shape", ()) == (10, 10) for v in e.outvars)
+  ]
+  # Only the |g| feeding each reduction; the unscaling happens in the cond.
+  assert {e.primitive for e in elementwise_outside} <= {lax.abs_p}
+  assert sum(e.primitive is lax.cond_p for e in jaxpr.eqns) == 1
+
+
+def test_fixed_scale_without_skipping_reads_nothing_extra():
+  tx = ols.loss_scale_optimizer(optax.sgd(1e-3), ols.FixedLossScale(8),
+                                skip_nonfinite=False)
+  jaxpr = _update_jaxpr(tx, 5)
+  assert not any(e.primitive in REDUCTIONS for e in jaxpr.eqns)
+
+
+def _hlo_ops(tx, n):
+  params = _tree(n)
+  text = jax.jit(tx.update).lower(params, tx.init(params), params).as_text()
+  return sum(1 for line in text.splitlines() if " = " in line)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: ols.loss_scale_optimizer(optax.adam(1e-3), ols.DynamicLossScale()),
+     lambda: optax.chain(ols.unscale_gradients(ols.DynamicLossScale()),
+                         optax.adam(1e-3))],
+    ids=["loss_scale_optimizer", "unscale_gradients"],
+)
+def test_program_size_grows_linearly_with_leaves(make):
+  tx = make()
+  small, large = _hlo_ops(tx, 100), _hlo_ops(tx, 400)
+  assert 3.5 < large / small < 4.3, (small, large)
+
+
+def test_no_host_synchronisation_in_update():
+  tx = ols.loss_scale_optimizer(optax.adam(1e-3), ols.DynamicLossScale())
+  params = _tree(4)
+  state = tx.init(params)
+  with jax.transfer_guard("disallow"):
+    jax.jit(tx.update)(params, state, params)  # compiles and runs
+    jax.jit(tx.update)(params, state, params)
