@@ -142,11 +142,19 @@ def measure(name, params, grad_dtype, repeats, scan_steps):
   p = jax.tree.map(jnp.copy, params)
   s = init(p)
   t0 = time.perf_counter()
-  compiled = jitted.lower(p, s, grads).compile()
-  compile_s = time.perf_counter() - t0
-  mem = compiled.memory_analysis()
-  temp = getattr(mem, "temp_size_in_bytes", float("nan"))
-  p, s = compiled(p, s, grads)
+  try:
+    compiled = jitted.lower(p, s, grads).compile()
+    compile_s = time.perf_counter() - t0
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    p, s = compiled(p, s, grads)
+  except TypeError:
+    # jmp's loss scale cannot be lowered ahead of time on recent JAX; time
+    # the first call (compilation plus one step) instead.
+    compiled = jitted
+    p, s = compiled(p, s, grads)
+    jax.block_until_ready(p)
+    compile_s = time.perf_counter() - t0
+    temp = float("nan")
   jax.block_until_ready(p)
   times = []
   for _ in range(repeats):
@@ -159,7 +167,10 @@ def measure(name, params, grad_dtype, repeats, scan_steps):
     def loop(p, s, g):
       return jax.lax.scan(lambda c, _: (step(*c, g), None), (p, s), None,
                           length=scan_steps)[0]
-    loop_c = jax.jit(loop, donate_argnums=(0, 1)).lower(p, s, grads).compile()
+    loop_c = jax.jit(loop, donate_argnums=(0, 1))
+    jax.block_until_ready(loop_c(p, s, grads))  # compile
+    p = jax.tree.map(jnp.copy, params)
+    s = init(p)
     t0 = time.perf_counter()
     jax.block_until_ready(loop_c(p, s, grads))
     scan_s = time.perf_counter() - t0
