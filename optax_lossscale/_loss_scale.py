@@ -208,27 +208,24 @@ class LossScale(abc.ABC):
 
     return _map_arrays(div, tree, "unscale")
 
+  def _may_scale_below_one(self) -> bool:
+    """Whether unscaling can enlarge a gradient (and so overflow it)."""
+    return False
+
   def _unscaled_all_finite(
       self, grads: Any, *, axis_name: _numerics.AxisName = None
   ) -> jax.Array:
     """`all_finite(self.unscale(grads))`, reading `grads` once.
 
-    The unscaled maximum is the unscaled value of the maximum (division by a
-    positive scale and rounding are monotonic), so each leaf costs one
-    reduction of the scaled gradients and a few scalar operations; the
-    unscaling itself can then be fused into the inner optimizer's update.
+    A scale of at least 1 cannot turn a finite gradient into an infinite one,
+    so the scaled gradients are checked directly, and the unscaling itself is
+    left to be fused into the inner optimizer's update. Only a loss scale that
+    can fall below 1 checks the unscaled values (still one fused pass).
     """
-    s = self()
-    flags = []
-    for x in _numerics._array_leaves(grads):
-      x = _check_leaf(x, "update")
-      ct = _compute_dtype(x.dtype)
-      m = _numerics._max_abs(x).astype(ct)
-      unscaled = (m * _exact_div(jnp.ones((), ct), s.astype(ct))).astype(
-          x.dtype
-      )
-      flags.append(jnp.isfinite(unscaled))
-    return _numerics._combine(flags, axis_name)
+    leaves = [_check_leaf(x, "update") for x in _numerics._array_leaves(grads)]
+    if self._may_scale_below_one():
+      leaves = jax.tree.leaves(self.unscale(leaves))
+    return _numerics._verdict(_numerics._probes(leaves), axis_name)
 
 
 def _static(**kwargs: Any) -> Any:
@@ -453,6 +450,9 @@ class DynamicLossScale(LossScale):
 
   def __call__(self) -> jax.Array:
     return self.current_loss_scale
+
+  def _may_scale_below_one(self) -> bool:
+    return self.min_loss_scale < 1
 
   def adjust(self, grads_finite: jax.Array) -> tuple[Self, jax.Array]:
     grads_finite = jnp.asarray(grads_finite, jnp.bool_)

@@ -21,22 +21,51 @@ def _array_leaves(tree: Any) -> list[jax.Array]:
   return [x for x in jax.tree.leaves(tree) if not _is_float0(x)]
 
 
-def _max_abs(x: jax.Array) -> jax.Array:
-  """One reduction whose result is non-finite iff some element of `x` is.
+def _nonfinite_probe(x: jax.Array) -> jax.Array:
+  """A scalar that is NaN iff some element of `x` is NaN or infinite.
 
-  `max` propagates NaN in XLA, and `abs` maps -inf to inf, so a single read of
-  `x` decides finiteness. Complex numbers are checked part by part, so that a
-  finite value with a large magnitude is not mistaken for an overflow.
+  `x * 0` is 0 for finite elements and NaN for NaN and ±inf, and IEEE addition
+  propagates NaN, so one fused sum reads `x` once and decides. (A `max`-based
+  check is not safe: XLA's CPU backend hands large `max` reductions to a
+  library that drops NaN.)
   """
-  if jnp.iscomplexobj(x):
-    return jnp.maximum(_max_abs(jnp.real(x)), _max_abs(jnp.imag(x)))
-  if x.size == 0:
-    return jnp.zeros((), x.dtype)
-  return jnp.max(jnp.abs(x))
+  return jnp.sum(x * jnp.zeros((), x.dtype))
 
 
-def _combine(flags: list[jax.Array], axis_name: AxisName) -> jax.Array:
-  ok = jnp.array(True) if not flags else jnp.all(jnp.stack(flags))
+# Leaves up to this size are concatenated (per dtype) and checked by one
+# reduction: on XLA's CPU backend every reduction is a separately compiled
+# kernel, so hundreds of small leaves would multiply the compile time, while
+# copying small leaves costs next to nothing. Larger leaves are checked in
+# place, so each is read exactly once.
+_SMALL_LEAF = 2**16
+
+
+def _probes(leaves: list[jax.Array]) -> list[jax.Array]:
+  """`_nonfinite_probe` over `leaves`, small ones concatenated per dtype."""
+  small: dict[Any, list[jax.Array]] = {}
+  probes = []
+  for x in leaves:
+    if x.size <= _SMALL_LEAF:
+      small.setdefault(x.dtype, []).append(x.ravel())
+    else:
+      probes.append(_nonfinite_probe(x))
+  for group in small.values():
+    probes.append(_nonfinite_probe(jnp.concatenate(group)))
+  return probes
+
+
+def _verdict(probes: list[jax.Array], axis_name: AxisName) -> jax.Array:
+  """True iff every probe (0 or NaN, see `_nonfinite_probe`) is finite.
+
+  The probes are summed as one float32 vector, so the per-leaf scalar work is
+  a single small kernel, whatever the number of leaves.
+  """
+  as_real = [
+      (jnp.real(p) + jnp.imag(p)) if jnp.iscomplexobj(p) else p for p in probes
+  ]
+  total = jnp.sum(jnp.stack([p.astype(jnp.float32) for p in as_real] or
+                            [jnp.zeros((), jnp.float32)]))
+  ok = jnp.isfinite(total)
   if axis_name is not None:
     # One scalar collective: every replica ends with the same verdict.
     ok = lax.pmin(ok.astype(jnp.int32), axis_name).astype(jnp.bool_)
@@ -68,9 +97,6 @@ def all_finite(tree: Any, *, axis_name: AxisName = None) -> jax.Array:
     >>> ols.all_finite([jnp.array([1.0, jnp.inf])])
     Array(False, dtype=bool)
   """
-  flags = []
-  for x in _array_leaves(tree):
-    x = jnp.asarray(x)
-    if jnp.issubdtype(x.dtype, jnp.inexact):
-      flags.append(jnp.isfinite(_max_abs(x)))
-  return _combine(flags, axis_name)
+  leaves = [jnp.asarray(x) for x in _array_leaves(tree)]
+  floats = [x for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return _verdict(_probes(floats), axis_name)

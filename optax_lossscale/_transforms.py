@@ -69,6 +69,14 @@ def _fresh_copy(loss_scale: LossScale) -> LossScale:
   return jax.tree.map(jnp.copy, loss_scale)
 
 
+def _zeros_like(tree: Any) -> Any:
+  return jax.tree.map(
+      lambda s: None if s is None else jnp.zeros(s.shape, s.dtype),
+      tree,
+      is_leaf=lambda x: x is None,
+  )
+
+
 def _check_state(call: str, state: Any, state_type: type) -> None:
   if not isinstance(state, state_type):
     raise TypeError(
@@ -255,19 +263,27 @@ def loss_scale_optimizer(
           loss_scale.unscale(updates), inner_state, params, **extra_args
       )
 
-    def skip(
+    def skip_like_updates(
         updates: optax.Updates, inner_state: optax.OptState
     ) -> tuple[optax.Updates, optax.OptState]:
-      zeros = jax.tree.map(
-          lambda s: None if s is None else jnp.zeros(s.shape, s.dtype),
-          jax.eval_shape(apply, updates, inner_state)[0],
-          is_leaf=lambda x: x is None,
-      )
-      return zeros, inner_state
+      return _zeros_like(updates), inner_state
 
-    new_updates, inner_state = lax.cond(
-        should_apply, apply, skip, updates, state.inner_state
-    )
+    def skip_like_inner(
+        updates: optax.Updates, inner_state: optax.OptState
+    ) -> tuple[optax.Updates, optax.OptState]:
+      shapes = jax.eval_shape(apply, updates, inner_state)[0]
+      return _zeros_like(shapes), inner_state
+
+    try:
+      # Nearly every inner transformation returns updates shaped like its
+      # input; then the skip branch needs no second trace of `inner`.
+      new_updates, inner_state = lax.cond(
+          should_apply, apply, skip_like_updates, updates, state.inner_state
+      )
+    except TypeError:
+      new_updates, inner_state = lax.cond(
+          should_apply, apply, skip_like_inner, updates, state.inner_state
+      )
     return new_updates, LossScaleOptimizerState(
         loss_scale=new_loss_scale,
         inner_state=inner_state,

@@ -25,20 +25,23 @@ def _update_jaxpr(tx, n):
   return jax.make_jaxpr(tx.update)(params, tx.init(params), params).jaxpr
 
 
+@pytest.mark.parametrize("shape", [(10, 10), (300, 300)], ids=["small", "large"])
 @pytest.mark.parametrize("n", [3, 50])
-def test_one_reduction_per_leaf_outside_the_inner_update(n):
+def test_one_reduction_pass_outside_the_inner_update(n, shape):
   tx = ols.loss_scale_optimizer(optax.adam(1e-3), ols.DynamicLossScale())
-  jaxpr = _update_jaxpr(tx, n)
-  outside = [e for e in jaxpr.eqns
-             if e.primitive in REDUCTIONS and e.invars[0].aval.shape == (10, 10)]
-  assert len(outside) == n  # one read of each gradient leaf
-  elementwise_outside = [
-      e for e in jaxpr.eqns
-      if e.primitive not in REDUCTIONS and e.primitive is not lax.cond_p
-      and any(getattr(v.aval, "shape", ()) == (10, 10) for v in e.outvars)
-  ]
-  # Only the |g| feeding each reduction; the unscaling happens in the cond.
-  assert {e.primitive for e in elementwise_outside} <= {lax.abs_p}
+  params = {f"p{i}": jnp.ones(shape) for i in range(n)}
+  jaxpr = jax.make_jaxpr(tx.update)(params, tx.init(params), params).jaxpr
+  reduced = sum(
+      e.invars[0].aval.size for e in jaxpr.eqns
+      if e.primitive in REDUCTIONS and e.invars[0].aval.size > n
+  )
+  # Every gradient element is reduced exactly once: one read of the gradients.
+  assert reduced == n * shape[0] * shape[1]
+  big = [e for e in jaxpr.eqns if e.primitive is not lax.cond_p and any(
+      getattr(v.aval, "size", 0) >= shape[0] * shape[1] for v in e.outvars)]
+  # Outside the cond: only `g * 0` (and the concatenation of small leaves).
+  # The unscaling is inside the cond, fused into the inner update.
+  assert {e.primitive.name for e in big} <= {"mul", "concatenate", "reshape"}
   assert sum(e.primitive is lax.cond_p for e in jaxpr.eqns) == 1
 
 

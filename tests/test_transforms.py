@@ -439,3 +439,13 @@ def test_wrapper_is_clean_under_strict_promotion(dtype):
       ]:
         updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
         chex.assert_trees_all_equal_dtypes(updates, params)
+
+
+def test_skips_a_nan_in_a_large_leaf():
+  params = {"big": jnp.zeros((1_000_000,)), "small": jnp.zeros((3,))}
+  tx = ols.loss_scale_optimizer(optax.sgd(1.0), ols.DynamicLossScale(8.0))
+  grads = {"big": jnp.ones((1_000_000,)).at[777_777].set(jnp.nan),
+           "small": jnp.ones((3,))}
+  updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
+  assert not bool(state.should_apply)
+  assert not bool(jnp.any(updates["big"]))
