@@ -179,9 +179,16 @@ def loss_scale_optimizer(
   gradients are read once, by one reduction, before the `cond`; the unscaling
   is fused into `inner`'s update.
 
+  Gradient accumulation: pass an `optax.MultiSteps` as `inner`. Each
+  micro-batch is unscaled and checked before it is accumulated, so a
+  non-finite micro-batch is dropped alone and never reaches the accumulator;
+  the scale grows per completed window (it stays constant within a window) and
+  backs off as soon as a micro-batch overflows.
+
   Args:
-    inner: the optimizer to wrap, any Optax transformation. Extra arguments of
-      `update` are passed through to it.
+    inner: the optimizer to wrap, any Optax transformation (or an
+      `optax.MultiSteps`). Extra arguments of `update` are passed through to
+      it.
     loss_scale: the initial loss scale.
     skip_nonfinite: also skip non-finite steps when the loss scale would apply
       them (a `FixedLossScale` or `NoOpLossScale`). False gives TensorFlow's
@@ -211,8 +218,9 @@ def loss_scale_optimizer(
     >>> optax.apply_updates(params, updates)["w"], ols.get_loss_scale(state)()
     (Array(3., dtype=float32), Array(4., dtype=float32))
   """
-  if isinstance(inner, optax.MultiSteps):
-    inner = inner.gradient_transformation()
+  accumulator = inner if isinstance(inner, optax.MultiSteps) else None
+  if accumulator is not None:
+    inner = accumulator.gradient_transformation()
   if not isinstance(inner, optax.GradientTransformation):
     raise TypeError(
         "`loss_scale_optimizer(inner=...)` must be an Optax transformation"
@@ -283,6 +291,16 @@ def loss_scale_optimizer(
     except TypeError:
       new_updates, inner_state = lax.cond(
           should_apply, apply, skip_like_inner, updates, state.inner_state
+      )
+    if accumulator is not None:
+      # Gradient accumulation: the scale grows per optimizer step, not per
+      # micro-batch, so it stays constant within a window of finite
+      # micro-batches. (A non-finite micro-batch is dropped and the scale backs
+      # off at once; the accumulator holds unscaled gradients, so nothing
+      # accumulated under the old scale is invalidated.)
+      hold = should_apply & ~accumulator.has_updated(inner_state)
+      new_loss_scale = jax.tree.map(
+          lambda old, new: jnp.where(hold, old, new), loss_scale, new_loss_scale
       )
     return new_updates, LossScaleOptimizerState(
         loss_scale=new_loss_scale,
