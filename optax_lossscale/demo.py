@@ -1,35 +1,230 @@
-"""A short demonstration: float16 gradients underflow, loss scaling saves them.
+"""Why loss scaling matters: a float16 network trained four ways.
 
-Run with `python -m optax_lossscale.demo`.
+Run with `python -m optax_lossscale.demo` (`--help` for the flags). It trains
+the same deep tanh network on scikit-learn's digits (shipped inside the
+package: nothing is downloaded) with the standard mixed-precision recipe,
+float32 master weights and float16 compute, and compares a float32 reference,
+float16 without loss scaling, and float16 with `FixedLossScale` and
+`DynamicLossScale`. It prints a table and writes a PNG of the loss curves and
+the loss scale.
+
+The setting makes float16 underflow real: ten tanh layers with a small
+initialisation (gain 0.35) make the gradients of the first layers smaller than
+float16's smallest subnormal (6e-8), so at the start about a fifth of the
+gradient entries are exactly zero in float16 unless the loss is scaled. The
+table reports the underflow at the first step and over the run. (Adam with
+float32 master weights recovers on this small problem once the weights grow;
+on deeper models the loss is not always so forgiving.)
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+import optax
 
 import optax_lossscale as ols
 
+DEPTH = 10
+WIDTH = 128
+GAIN = 0.35
+LEARNING_RATE = 1e-3
+FIXED_SCALE = 2.0**12
 
-def main() -> None:
-  w = jnp.array([1e-3, 2e-3, 3e-3], jnp.float32)
 
-  def loss_fn(w: jax.Array) -> jax.Array:
-    # A float16 forward pass whose gradients (~1e-8) are below float16's
-    # smallest subnormal (~6e-8).
-    w16 = w.astype(jnp.float16)
-    return jnp.sum(w16 * w16) * jnp.float16(1e-5)
+def _require(module: str) -> Any:
+  try:
+    return importlib.import_module(module)
+  except ImportError:
+    sys.exit(
+        f"The demo needs {module!r}, which is not installed. Install the"
+        " demo extra: pip install 'optax_lossscale[demo]'"
+    )
 
-  true = jax.grad(lambda w: jnp.sum(w * w) * 1e-5)(w)
-  plain = jax.grad(loss_fn)(w)
-  loss_scale = ols.DynamicLossScale()
-  _, scaled = ols.scaled_value_and_grad(loss_fn)(loss_scale, w)
-  unscaled = loss_scale.unscale(scaled)
-  new_loss_scale, should_apply = loss_scale.update(unscaled)
-  print("float32 gradients:             ", true)
-  print("float16 gradients, no scaling: ", plain)
-  print(f"float16 gradients, scaled by {float(loss_scale()):g}:", unscaled)
-  print("finite:", bool(should_apply), "next loss scale:", float(new_loss_scale()))
+
+def _load_digits(seed: int) -> tuple[np.ndarray, ...]:
+  datasets = _require("sklearn.datasets")
+  x, y = datasets.load_digits(return_X_y=True)
+  x = (x / 16.0).astype(np.float32)
+  order = np.random.RandomState(seed).permutation(len(x))
+  x, y = x[order], y[order].astype(np.int32)
+  split = int(0.8 * len(x))
+  return x[:split], y[:split], x[split:], y[split:]
+
+
+def _init(key: jax.Array) -> list[dict[str, jax.Array]]:
+  sizes = [64] + [WIDTH] * DEPTH + [10]
+  params = []
+  for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
+    w = jax.random.normal(jax.random.fold_in(key, i), (fan_in, fan_out))
+    params.append({"w": w * GAIN / np.sqrt(fan_in), "b": jnp.zeros(fan_out)})
+  return params
+
+
+def _logits(params: Any, x: jax.Array, dtype: Any) -> jax.Array:
+  h = x.astype(dtype)
+  for i, layer in enumerate(params):
+    h = h @ layer["w"].astype(dtype) + layer["b"].astype(dtype)[None, :]
+    if i < len(params) - 1:
+      h = jnp.tanh(h)
+  return h
+
+
+def _loss(params: Any, x: jax.Array, y: jax.Array, dtype: Any) -> jax.Array:
+  # The cross-entropy of the low-precision logits, computed in float32.
+  logits = _logits(params, x, dtype).astype(jnp.float32)
+  return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, y))
+
+
+def _make_step(dtype: Any, tx: optax.GradientTransformation) -> Any:
+  @jax.jit
+  def step(params, opt_state, x, y):
+    loss, grads = ols.scaled_value_and_grad(_loss)(
+        opt_state, params, x, y, dtype
+    )
+    # Underflow: entries that float32 computes as non-zero and this run's
+    # (scaled) low-precision backward pass returns as exactly zero.
+    reference = jax.grad(_loss)(params, x, y, jnp.float32)
+    lost = sum(
+        jnp.sum((r != 0) & (g == 0))
+        for r, g in zip(jax.tree.leaves(reference), jax.tree.leaves(grads),
+                        strict=True)
+    )
+    alive = sum(jnp.sum(r != 0) for r in jax.tree.leaves(reference))
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    stats = {
+        "loss": loss,
+        "loss_scale": ols.get_loss_scale(opt_state)(),
+        "underflow": lost / alive,
+    }
+    return params, opt_state, stats
+
+  return step
+
+
+RUNS = [
+    ("float32 reference", jnp.float32, ols.NoOpLossScale()),
+    ("float16, no loss scaling", jnp.float16, ols.NoOpLossScale()),
+    (f"float16, FixedLossScale(2**{int(np.log2(FIXED_SCALE))})", jnp.float16,
+     ols.FixedLossScale(FIXED_SCALE)),
+    ("float16, DynamicLossScale()", jnp.float16,
+     ols.DynamicLossScale(increment_period=200)),
+]
+
+
+def train(
+    name: str, dtype: Any, loss_scale: ols.LossScale, data: tuple, args: Any
+) -> dict[str, Any]:
+  tqdm = _require("tqdm").tqdm
+  x_train, y_train, x_test, y_test = data
+  params = _init(jax.random.PRNGKey(args.seed))
+  tx = ols.loss_scale_optimizer(optax.adam(LEARNING_RATE), loss_scale)
+  opt_state = tx.init(params)
+  step = _make_step(dtype, tx)
+  rng = np.random.RandomState(args.seed + 1)
+  history: dict[str, list[float]] = {"loss": [], "loss_scale": [],
+                                     "underflow": []}
+  for _ in tqdm(range(args.steps), desc=f"{name:<32}", leave=True):
+    batch = rng.randint(0, len(x_train), args.batch_size)
+    params, opt_state, stats = step(params, opt_state, x_train[batch],
+                                    y_train[batch])
+    for key, value in stats.items():
+      history[key].append(float(value))
+  logits = _logits(params, jnp.asarray(x_test), dtype)
+  accuracy = float(jnp.mean(jnp.argmax(logits, -1) == y_test))
+  return {
+      "name": name,
+      "history": history,
+      "final_loss": float(np.mean(history["loss"][-20:])),
+      "accuracy": accuracy,
+      "underflow": float(np.mean(history["underflow"])),
+      "first_underflow": history["underflow"][0],
+      "skipped": int(opt_state.skipped_steps),
+      "loss_scale": float(ols.get_loss_scale(opt_state)()),
+  }
+
+
+def _table(results: list[dict[str, Any]]) -> str:
+  header = (f"{'run':<34}{'final loss':>11}{'test acc':>10}"
+            f"{'underflow@1':>13}{'underflow':>11}{'skipped':>9}"
+            f"{'loss scale':>12}")
+  lines = [header, "-" * len(header)]
+  for r in results:
+    lines.append(
+        f"{r['name']:<34}{r['final_loss']:>11.4f}{r['accuracy']:>10.1%}"
+        f"{r['first_underflow']:>13.1%}{r['underflow']:>11.2%}"
+        f"{r['skipped']:>9d}{r['loss_scale']:>12g}"
+    )
+  return "\n".join(lines)
+
+
+def _plot(results: list[dict[str, Any]], path: str) -> None:
+  matplotlib = _require("matplotlib")
+  matplotlib.use("Agg")
+  plt = _require("matplotlib.pyplot")
+  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+  for r in results:
+    loss = np.asarray(r["history"]["loss"])
+    smooth = np.convolve(loss, np.ones(10) / 10, mode="valid")
+    ax1.plot(smooth, label=r["name"])
+    if "LossScale(" in r["name"]:
+      ax2.plot(r["history"]["loss_scale"], label=r["name"])
+  ax1.set(title="training loss (10-step mean)", xlabel="step", yscale="log")
+  ax2.set(title="loss scale", xlabel="step", yscale="log")
+  ax2.set_yscale("log", base=2)
+  ax1.legend(fontsize=8)
+  ax2.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=90)
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+  parser = argparse.ArgumentParser(
+      prog="python -m optax_lossscale.demo",
+      description="Train a float16 network on scikit-learn's digits with and"
+      " without loss scaling, and compare.",
+  )
+  parser.add_argument("--steps", type=int, default=600,
+                      help="training steps per run (default: 600)")
+  parser.add_argument("--seed", type=int, default=0, help="random seed")
+  parser.add_argument("--batch-size", type=int, default=128,
+                      help="examples per step (default: 128)")
+  parser.add_argument("--out", default="lossscale_demo.png",
+                      help="where to write the plot (default: %(default)s)")
+  args = parser.parse_args(argv)
+  if args.steps < 1 or args.batch_size < 1:
+    parser.error("--steps and --batch-size must be positive")
+  for module in ("sklearn.datasets", "tqdm", "matplotlib"):
+    _require(module)
+
+  print(
+      f"Setting: {DEPTH} tanh layers of width {WIDTH}, initialised with gain"
+      f" {GAIN}; Adam (learning rate {LEARNING_RATE}); float32 master weights,"
+      f" float16 compute; {args.steps} steps of batch {args.batch_size} on"
+      " scikit-learn's digits (1,437 train / 360 test images).\n"
+      "At the start, the first layers' gradients fall below float16's"
+      " smallest subnormal (6e-8) and underflow to zero unless the loss is"
+      " scaled. underflow@1: share of the gradient entries lost at step 1;"
+      " underflow: the mean over the run."
+  )
+  start = time.perf_counter()
+  data = _load_digits(args.seed)
+  results = [train(name, dtype, ls, data, args) for name, dtype, ls in RUNS]
+  print()
+  print(_table(results))
+  _plot(results, args.out)
+  print(f"\nPlot written to {args.out}; {time.perf_counter() - start:.0f} s"
+        " in all.")
+  return results
 
 
 if __name__ == "__main__":
