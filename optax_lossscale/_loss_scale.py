@@ -449,7 +449,8 @@ class DynamicLossScale(LossScale):
       object.__setattr__(self, name, value)
 
   def __call__(self) -> jax.Array:
-    return self.current_loss_scale
+    # `asarray` unwraps containers such as Flax NNX's optimizer variables.
+    return jnp.asarray(self.current_loss_scale)
 
   def _may_scale_below_one(self) -> bool:
     return self.min_loss_scale < 1

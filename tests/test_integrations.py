@@ -1,0 +1,235 @@
+"""optax_lossscale in the stacks users have: Orbax, Flax NNX and linen,
+Equinox, and configs written by TensorFlow and Keras."""
+
+from __future__ import annotations
+
+import chex
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from flax import linen as nn
+from flax import nnx
+from flax.training import train_state
+
+import optax_lossscale as ols
+from tests.tf_reference import tf_dynamic_loss_scale
+
+pytestmark = [
+    pytest.mark.usefixtures("standard_promotion"),
+    # Orbax and Flax warn about their own deprecations; not ours to fix.
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+]
+
+X = jax.random.normal(jax.random.PRNGKey(0), (32, 4))
+Y = jnp.sin(X @ jnp.array([[1.0], [-2.0], [0.5], [3.0]]))
+
+
+def _mlp_params(key=0):
+  k1, k2 = jax.random.split(jax.random.PRNGKey(key))
+  return {"w1": jax.random.normal(k1, (4, 16)) * 0.5, "b1": jnp.zeros(16),
+          "w2": jax.random.normal(k2, (16, 1)) * 0.5, "b2": jnp.zeros(1)}
+
+
+def _loss(params, x, y):
+  h = jnp.tanh(x.astype(jnp.float16) @ params["w1"].astype(jnp.float16)
+               + params["b1"].astype(jnp.float16)[None, :])
+  pred = h @ params["w2"].astype(jnp.float16) + params["b2"].astype(
+      jnp.float16)[None, :]
+  return jnp.mean((pred.astype(jnp.float32) - y) ** 2)
+
+
+# --- Orbax --------------------------------------------------------------------
+
+
+def test_orbax_checkpoint_mid_run_resumes_bit_for_bit(tmp_path):
+  tx = ols.loss_scale_optimizer(optax.adam(1e-2),
+                                ols.DynamicLossScale(2.0**15, 4))
+
+  @jax.jit
+  def step(params, opt_state):
+    _, grads = ols.scaled_value_and_grad(_loss)(opt_state, params, X, Y)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  params = _mlp_params()
+  state = tx.init(params)
+  for _ in range(10):
+    params, state = step(params, state)
+  assert int(state.skipped_steps) > 0  # the run has real loss-scale history
+
+  path = tmp_path / "ckpt"
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(path, {"params": params, "opt_state": state})
+  fresh = {"params": _mlp_params(key=1), "opt_state": tx.init(_mlp_params(1))}
+  with ocp.StandardCheckpointer() as checkpointer:
+    restored = checkpointer.restore(path, fresh)
+  assert isinstance(restored["opt_state"], ols.LossScaleOptimizerState)
+  assert isinstance(restored["opt_state"].loss_scale, ols.DynamicLossScale)
+  chex.assert_trees_all_equal(restored["opt_state"], state)
+
+  p1, s1 = params, state
+  p2, s2 = restored["params"], restored["opt_state"]
+  for _ in range(10):
+    p1, s1 = step(p1, s1)
+    p2, s2 = step(p2, s2)
+  chex.assert_trees_all_equal((p1, s1), (p2, s2))
+
+
+# --- Flax NNX -------------------------------------------------------------------
+
+
+class _NNXModel(nnx.Module):
+  def __init__(self, rngs):
+    kw = dict(dtype=jnp.float16, param_dtype=jnp.float32, rngs=rngs)
+    self.hidden = nnx.Linear(4, 16, **kw)
+    self.out = nnx.Linear(16, 1, **kw)
+
+  def __call__(self, x):
+    return self.out(jnp.tanh(self.hidden(x)))
+
+
+def test_nnx_optimizer_train_step():
+  model = _NNXModel(nnx.Rngs(0))
+  tx = ols.loss_scale_optimizer(optax.adam(1e-2), ols.DynamicLossScale(
+      2.0**15, 5))
+  optimizer = nnx.Optimizer(model, tx=tx, wrt=nnx.Param)
+
+  @nnx.jit
+  def train_step(model, optimizer, x, y):
+    loss_scale = ols.get_loss_scale(optimizer.opt_state)
+
+    def loss_fn(model):
+      loss = jnp.mean((model(x).astype(jnp.float32) - y) ** 2)
+      return loss_scale.scale(loss), loss
+
+    (_, loss), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+    optimizer.update(model, grads)
+    return loss
+
+  losses = [float(train_step(model, optimizer, X, Y)) for _ in range(60)]
+  assert model.hidden.kernel.value.dtype == jnp.float32  # master weights
+  assert losses[-1] < 0.5 * losses[0]
+  assert float(ols.get_loss_scale(optimizer.opt_state)()) > 0
+
+
+# --- Flax linen -------------------------------------------------------------------
+
+
+class _LinenModel(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(16, dtype=jnp.float16, param_dtype=jnp.float32)(x)
+    return nn.Dense(1, dtype=jnp.float16, param_dtype=jnp.float32)(jnp.tanh(x))
+
+
+def test_linen_train_state_step():
+  model = _LinenModel()
+  params = model.init(jax.random.PRNGKey(0), X)["params"]
+  tx = ols.loss_scale_optimizer(optax.adam(1e-2), ols.DynamicLossScale())
+  state = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                        tx=tx)
+
+  @jax.jit
+  def train_step(state, x, y):
+    def loss_fn(params):
+      pred = state.apply_fn({"params": params}, x).astype(jnp.float32)
+      return jnp.mean((pred - y) ** 2)
+
+    loss, grads = ols.scaled_value_and_grad(loss_fn)(state.opt_state,
+                                                     state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  losses = []
+  for _ in range(60):
+    state, loss = train_step(state, X, Y)
+    losses.append(float(loss))
+  assert losses[-1] < 0.5 * losses[0]
+  assert int(state.step) == 60  # TrainState counts every call, skipped or not
+  assert isinstance(state.opt_state, ols.LossScaleOptimizerState)
+  assert state.params["Dense_0"]["kernel"].dtype == jnp.float32
+
+
+# --- Equinox -------------------------------------------------------------------------
+
+
+def test_equinox_filter_value_and_grad_step():
+  model = eqx.nn.MLP(4, 1, 16, 2, activation=jnp.tanh,
+                     key=jax.random.PRNGKey(0))
+  tx = ols.loss_scale_optimizer(optax.adam(1e-2), ols.DynamicLossScale())
+  opt_state = tx.init(eqx.filter(model, eqx.is_array))
+
+  @eqx.filter_jit
+  def train_step(model, opt_state, x, y):
+    loss_scale = ols.get_loss_scale(opt_state)
+
+    def loss_fn(model):
+      half = jax.tree.map(
+          lambda a: a.astype(jnp.float16) if eqx.is_array(a) else a, model)
+      pred = jax.vmap(half)(x.astype(jnp.float16)).astype(jnp.float32)
+      loss = jnp.mean((pred - y) ** 2)
+      return loss_scale.scale(loss), loss
+
+    (_, loss), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(model)
+    updates, opt_state = tx.update(grads, opt_state,
+                                   eqx.filter(model, eqx.is_array))
+    return eqx.apply_updates(model, updates), opt_state, loss
+
+  losses = []
+  for _ in range(60):
+    model, opt_state, loss = train_step(model, opt_state, X, Y)
+    losses.append(float(loss))
+  assert losses[-1] < 0.5 * losses[0]
+  assert model.layers[0].weight.dtype == jnp.float32
+
+
+# --- TensorFlow / Keras migration -------------------------------------------------------
+
+# As `tf.keras.mixed_precision.experimental.LossScaleOptimizer.get_config()`
+# (TF 2.3) and Keras 2's `LossScaleOptimizer.get_config()` wrote them.
+TF_OPTIMIZER_CONFIG = {
+    "class_name": "LossScaleOptimizer",
+    "config": {
+        "optimizer": {"class_name": "SGD", "config": {"learning_rate": 0.1}},
+        "loss_scale": {
+            "class_name": "DynamicLossScale",
+            "config": {"initial_loss_scale": 2.0**15, "increment_period": 3,
+                       "multiplier": 2.0},
+        },
+    },
+}
+KERAS_OPTIMIZER_CONFIG = {
+    "class_name": "LossScaleOptimizer",
+    "config": {"inner_optimizer": {"class_name": "SGD", "config": {}},
+               "dynamic": True, "initial_scale": 2.0**15,
+               "dynamic_growth_steps": 3},
+}
+
+
+@pytest.mark.parametrize("config", [TF_OPTIMIZER_CONFIG, KERAS_OPTIMIZER_CONFIG],
+                         ids=["tf", "keras"])
+def test_train_with_configs_written_by_tensorflow_and_keras(config):
+  loss_scale = ols.deserialize(config)
+  tx = ols.loss_scale_optimizer(optax.sgd(0.1), loss_scale)
+
+  @jax.jit
+  def step(params, opt_state):
+    _, grads = ols.scaled_value_and_grad(_loss)(opt_state, params, X, Y)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  params = _mlp_params()
+  state = tx.init(params)
+  scales, applied = [], []
+  for _ in range(12):
+    params, state = step(params, state)
+    scales.append(np.float32(ols.get_loss_scale(state)()))
+    applied.append(bool(state.should_apply))
+  ref = tf_dynamic_loss_scale(applied, 2.0**15, 3, 2.0)
+  assert scales == [s for s, _, _ in ref]
+  assert not all(applied) and any(applied)
+  assert bool(jnp.all(jnp.isfinite(params["w1"])))
