@@ -118,20 +118,25 @@ def config_apply_if_finite():
 
 
 CONFIGS: dict[str, Callable[[], Any]] = {
-    "plain adam": config_plain,
-    "loss_scale_optimizer": config_loss_scale_optimizer,
-    "chain(unscale_gradients, adam)": config_unscale_gradients,
-    "jmp select_tree": config_jmp,
-    "flax DynamicScale pattern": config_flax_pattern,
-    "optax.apply_if_finite": config_apply_if_finite,
+  "plain adam": config_plain,
+  "loss_scale_optimizer": config_loss_scale_optimizer,
+  "chain(unscale_gradients, adam)": config_unscale_gradients,
+  "jmp select_tree": config_jmp,
+  "flax DynamicScale pattern": config_flax_pattern,
+  "optax.apply_if_finite": config_apply_if_finite,
 }
-PEERS = {"jmp select_tree", "flax DynamicScale pattern", "optax.apply_if_finite"}
+PEERS = {
+  "jmp select_tree",
+  "flax DynamicScale pattern",
+  "optax.apply_if_finite",
+}
 
 
 def make_tree(n_leaves: int, leaf_size: int, key: int = 0):
   keys = jax.random.split(jax.random.PRNGKey(key), n_leaves)
-  params = {f"p{i:04d}": jax.random.normal(k, (leaf_size,))
-            for i, k in enumerate(keys)}
+  params = {
+    f"p{i:04d}": jax.random.normal(k, (leaf_size,)) for i, k in enumerate(keys)
+  }
   return params
 
 
@@ -164,9 +169,12 @@ def measure(name, params, grad_dtype, repeats, scan_steps):
     times.append(time.perf_counter() - t0)
   scan_s = float("nan")
   if scan_steps:
+
     def loop(p, s, g):
-      return jax.lax.scan(lambda c, _: (step(*c, g), None), (p, s), None,
-                          length=scan_steps)[0]
+      return jax.lax.scan(
+        lambda c, _: (step(*c, g), None), (p, s), None, length=scan_steps
+      )[0]
+
     loop_c = jax.jit(loop, donate_argnums=(0, 1))
     jax.block_until_ready(loop_c(p, s, grads))  # compile
     p = jax.tree.map(jnp.copy, params)
@@ -174,23 +182,31 @@ def measure(name, params, grad_dtype, repeats, scan_steps):
     t0 = time.perf_counter()
     jax.block_until_ready(loop_c(p, s, grads))
     scan_s = time.perf_counter() - t0
-  return dict(step=float(np.median(times)), compile=compile_s, temp=temp,
-              scan=scan_s)
+  return dict(
+    step=float(np.median(times)), compile=compile_s, temp=temp, scan=scan_s
+  )
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true",
-                      help="fewer repeats and workloads")
-  parser.add_argument("--max-peer-leaves", type=int, default=100,
-                      help="skip peers above this many leaves (jmp needs"
-                      " minutes and GBs to compile at 400 leaves)")
+  parser.add_argument(
+    "--quick", action="store_true", help="fewer repeats and workloads"
+  )
+  parser.add_argument(
+    "--max-peer-leaves",
+    type=int,
+    default=100,
+    help="skip peers above this many leaves (jmp needs"
+    " minutes and GBs to compile at 400 leaves)",
+  )
   parser.add_argument("--out", default="benchmarks")
   args = parser.parse_args()
   repeats = 10 if args.quick else 30
-  header = (f"jax {jax.__version__}, optax {optax.__version__}, "
-            f"{jax.devices()[0].platform} ({platform.processor() or platform.machine()},"
-            f" {jax.local_device_count()} device(s)), python {platform.python_version()}")
+  header = (
+    f"jax {jax.__version__}, optax {optax.__version__}, "
+    f"{jax.devices()[0].platform} ({platform.processor() or platform.machine()},"
+    f" {jax.local_device_count()} device(s)), python {platform.python_version()}"
+  )
   print(header)
   rows = []
 
@@ -201,46 +217,62 @@ def main() -> None:
       if name == "plain adam":
         base = r
       rows.append((workload, jnp.dtype(dtype).name, name, r, base))
-      print(f"{workload:>16} {jnp.dtype(dtype).name:>8} {name:>32}: "
-            f"step {r['step'] * 1e3:8.2f} ms ({r['step'] / base['step']:.2f}x)"
-            f"  compile {r['compile']:6.2f} s ({r['compile'] / base['compile']:.2f}x)"
-            f"  temp {r['temp'] / 2**20:8.1f} MiB  scan {r['scan']:.2f} s",
-            flush=True)
+      print(
+        f"{workload:>16} {jnp.dtype(dtype).name:>8} {name:>32}: "
+        f"step {r['step'] * 1e3:8.2f} ms ({r['step'] / base['step']:.2f}x)"
+        f"  compile {r['compile']:6.2f} s ({r['compile'] / base['compile']:.2f}x)"
+        f"  temp {r['temp'] / 2**20:8.1f} MiB  scan {r['scan']:.2f} s",
+        flush=True,
+      )
 
   big = make_tree(8, 2_000_000)
-  for dtype in ([jnp.float32] if args.quick else
-                [jnp.float32, jnp.float16, jnp.bfloat16]):
-    run("16M / 8 leaves", big, dtype, list(CONFIGS),
-        0 if dtype != jnp.float32 else (100 if args.quick else 1000))
+  for dtype in (
+    [jnp.float32] if args.quick else [jnp.float32, jnp.float16, jnp.bfloat16]
+  ):
+    run(
+      "16M / 8 leaves",
+      big,
+      dtype,
+      list(CONFIGS),
+      0 if dtype != jnp.float32 else (100 if args.quick else 1000),
+    )
   del big
   leaf_counts = [10, 100, 400] if args.quick else [10, 100, 400, 2000]
   for n in leaf_counts:
-    names = [c for c in CONFIGS
-             if c not in PEERS or n <= args.max_peer_leaves]
+    names = [c for c in CONFIGS if c not in PEERS or n <= args.max_peer_leaves]
     run(f"{n} leaves x 1000", make_tree(n, 1000), jnp.float32, names, 0)
 
   with open(f"{args.out}/RESULTS.md", "w") as f:
     f.write(f"# step_overhead results\n\n{header}\n\n")
-    f.write("| workload | grads | configuration | step (ms) | vs adam | "
-            "compile (s) | vs adam | temp (MiB) | 1000-step scan (s) |\n")
+    f.write(
+      "| workload | grads | configuration | step (ms) | vs adam | "
+      "compile (s) | vs adam | temp (MiB) | 1000-step scan (s) |\n"
+    )
     f.write("|---|---|---|---|---|---|---|---|---|\n")
     for workload, dtype, name, r, base in rows:
-      f.write(f"| {workload} | {dtype} | {name} | {r['step'] * 1e3:.2f} | "
-              f"{r['step'] / base['step']:.2f}x | {r['compile']:.2f} | "
-              f"{r['compile'] / base['compile']:.2f}x | {r['temp'] / 2**20:.1f} | "
-              f"{r['scan']:.2f} |\n")
+      f.write(
+        f"| {workload} | {dtype} | {name} | {r['step'] * 1e3:.2f} | "
+        f"{r['step'] / base['step']:.2f}x | {r['compile']:.2f} | "
+        f"{r['compile'] / base['compile']:.2f}x | {r['temp'] / 2**20:.1f} | "
+        f"{r['scan']:.2f} |\n"
+      )
   try:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
   except ImportError:
-    print("matplotlib is missing (pip install 'optax_lossscale[bench]'); no plot")
+    print(
+      "matplotlib is missing (pip install 'optax_lossscale[bench]'); no plot"
+    )
     return
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
   for name in CONFIGS:
-    pts = [(int(w.split()[0]), r["step"] / b["step"], r["compile"])
-           for w, d, n, r, b in rows if n == name and "x 1000" in w]
+    pts = [
+      (int(w.split()[0]), r["step"] / b["step"], r["compile"])
+      for w, d, n, r, b in rows
+      if n == name and "x 1000" in w
+    ]
     if pts:
       xs, ratio, comp = zip(*pts, strict=True)
       ax1.plot(xs, ratio, "o-", label=name)

@@ -13,40 +13,40 @@ from optax_lossscale._numerics import all_finite as all_finite
 from optax_lossscale._serialization import deserialize as deserialize
 from optax_lossscale._serialization import get as get
 from optax_lossscale._serialization import (
-    register_loss_scale as register_loss_scale,
+  register_loss_scale as register_loss_scale,
 )
 from optax_lossscale._serialization import serialize as serialize
 from optax_lossscale._transforms import (
-    LossScaleOptimizerState as LossScaleOptimizerState,
+  LossScaleOptimizerState as LossScaleOptimizerState,
 )
 from optax_lossscale._transforms import (
-    UnscaleGradientsState as UnscaleGradientsState,
+  UnscaleGradientsState as UnscaleGradientsState,
 )
 from optax_lossscale._transforms import get_loss_scale as get_loss_scale
 from optax_lossscale._transforms import (
-    loss_scale_optimizer as loss_scale_optimizer,
+  loss_scale_optimizer as loss_scale_optimizer,
 )
 from optax_lossscale._transforms import unscale_gradients as unscale_gradients
 from optax_lossscale._value_and_grad import (
-    scaled_value_and_grad as scaled_value_and_grad,
+  scaled_value_and_grad as scaled_value_and_grad,
 )
 from optax_lossscale._version import __version__ as __version__
 
 __all__ = [
-    "DynamicLossScale",
-    "FixedLossScale",
-    "LossScale",
-    "LossScaleOptimizerState",
-    "NoOpLossScale",
-    "UnscaleGradientsState",
-    "__version__",
-    "all_finite",
-    "deserialize",
-    "get",
-    "get_loss_scale",
-    "loss_scale_optimizer",
-    "register_loss_scale",
-    "scaled_value_and_grad",
-    "serialize",
-    "unscale_gradients",
+  "DynamicLossScale",
+  "FixedLossScale",
+  "LossScale",
+  "LossScaleOptimizerState",
+  "NoOpLossScale",
+  "UnscaleGradientsState",
+  "__version__",
+  "all_finite",
+  "deserialize",
+  "get",
+  "get_loss_scale",
+  "loss_scale_optimizer",
+  "register_loss_scale",
+  "scaled_value_and_grad",
+  "serialize",
+  "unscale_gradients",
 ]

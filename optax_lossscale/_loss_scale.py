@@ -30,8 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optax_lossscale import _numerics
-from optax_lossscale import _validation
+from optax_lossscale import _numerics, _validation
 
 __all__ = ["DynamicLossScale", "FixedLossScale", "LossScale", "NoOpLossScale"]
 
@@ -43,7 +42,8 @@ def _exact_div(x: jax.Array, divisor: jax.Array | float) -> jax.Array:
   its reciprocal, which differs from IEEE division in the last bit for divisors
   such as 3 or 10. The barrier hides the constant, so the division stays one.
   """
-  return x / lax.optimization_barrier(jnp.asarray(divisor, x.dtype))
+  hidden: jax.Array = lax.optimization_barrier(jnp.asarray(divisor, x.dtype))
+  return x / hidden
 
 
 def _compute_dtype(dtype: Any) -> Any:
@@ -53,12 +53,12 @@ def _compute_dtype(dtype: Any) -> Any:
   return jnp.dtype(jnp.float32)
 
 
-def _check_leaf(x: Any, method: str) -> jax.Array:
-  x = jnp.asarray(x)
+def _check_leaf(leaf: Any, method: str) -> jax.Array:
+  x: jax.Array = jnp.asarray(leaf)
   if not jnp.issubdtype(x.dtype, jnp.inexact):
     raise TypeError(
-        f"`{method}(tree)` takes floating-point arrays, got a leaf of dtype"
-        f" {x.dtype} and shape {x.shape}; integer values cannot be scaled."
+      f"`{method}(tree)` takes floating-point arrays, got a leaf of dtype"
+      f" {x.dtype} and shape {x.shape}; integer values cannot be scaled."
     )
   return x
 
@@ -127,18 +127,18 @@ class LossScale(abc.ABC):
       raise TypeError(f"{where} takes a dict, got {type(config).__name__}.")
     if dataclasses.is_dataclass(cls):
       hyperparameters = {
-          f.name for f in dataclasses.fields(cls) if f.metadata.get("static")
+        f.name for f in dataclasses.fields(cls) if f.metadata.get("static")
       }
       unknown = [k for k in config if k not in hyperparameters]
       if unknown:
         raise ValueError(
-            f"{where} got unknown keys {sorted(map(repr, unknown))}; it takes"
-            f" {sorted(hyperparameters)}."
+          f"{where} got unknown keys {sorted(map(repr, unknown))}; it takes"
+          f" {sorted(hyperparameters)}."
         )
     return cls(**config)
 
   def update(
-      self, grads: Any, *, axis_name: _numerics.AxisName = None
+    self, grads: Any, *, axis_name: _numerics.AxisName = None
   ) -> tuple[Self, jax.Array]:
     """Returns `(new_loss_scale, should_apply)` for this step's gradients.
 
@@ -155,9 +155,9 @@ class LossScale(abc.ABC):
       The loss scale for the next step and a bool scalar `jax.Array`.
     """
     finite = (
-        _numerics.all_finite(grads, axis_name=axis_name)
-        if self._needs_finiteness
-        else jnp.array(True)
+      _numerics.all_finite(grads, axis_name=axis_name)
+      if self._needs_finiteness
+      else jnp.array(True)
     )
     return self.adjust(finite)
 
@@ -213,7 +213,7 @@ class LossScale(abc.ABC):
     return False
 
   def _unscaled_all_finite(
-      self, grads: Any, *, axis_name: _numerics.AxisName = None
+    self, grads: Any, *, axis_name: _numerics.AxisName = None
   ) -> jax.Array:
     """`all_finite(self.unscale(grads))`, reading `grads` once.
 
@@ -265,12 +265,12 @@ class FixedLossScale(LossScale):
 
   def __post_init__(self) -> None:
     value = _validation.scalar(
-        "FixedLossScale", "loss_scale_value", self.loss_scale_value
+      "FixedLossScale", "loss_scale_value", self.loss_scale_value
     )
     if value < 1:
       raise ValueError(
-          "`FixedLossScale(loss_scale_value=...)` must be at least 1, got"
-          f" {self.loss_scale_value!r}."
+        "`FixedLossScale(loss_scale_value=...)` must be at least 1, got"
+        f" {self.loss_scale_value!r}."
       )
     object.__setattr__(self, "loss_scale_value", value)
 
@@ -386,7 +386,7 @@ class DynamicLossScale(LossScale):
   min_loss_scale: float = _static(default=1.0, kw_only=True)
   max_loss_scale: float | None = _static(default=None, kw_only=True)
   current_loss_scale: jax.Array = dataclasses.field(
-      default=_FRESH, kw_only=True
+    default=_FRESH, kw_only=True
   )
   num_good_steps: jax.Array = dataclasses.field(default=_FRESH, kw_only=True)
 
@@ -398,9 +398,9 @@ class DynamicLossScale(LossScale):
       self._validate()
       if fresh:
         object.__setattr__(
-            self,
-            "current_loss_scale",
-            jnp.asarray(self.initial_loss_scale, jnp.float32),
+          self,
+          "current_loss_scale",
+          jnp.asarray(self.initial_loss_scale, jnp.float32),
         )
       if self.num_good_steps is _FRESH:
         object.__setattr__(self, "num_good_steps", jnp.zeros((), jnp.int32))
@@ -408,22 +408,22 @@ class DynamicLossScale(LossScale):
   def _validate(self) -> None:
     call = "DynamicLossScale"
     initial = _validation.scalar(
-        call, "initial_loss_scale", self.initial_loss_scale
+      call, "initial_loss_scale", self.initial_loss_scale
     )
     period = _validation.integer(
-        call, "increment_period", self.increment_period, minimum=1
+      call, "increment_period", self.increment_period, minimum=1
     )
     multiplier = _validation.scalar(call, "multiplier", self.multiplier)
     if not multiplier > 1:
       raise ValueError(
-          f"`{call}(multiplier=...)` must be greater than 1, got"
-          f" {self.multiplier!r}."
+        f"`{call}(multiplier=...)` must be greater than 1, got"
+        f" {self.multiplier!r}."
       )
     minimum = _validation.scalar(call, "min_loss_scale", self.min_loss_scale)
     if not minimum > 0:
       raise ValueError(
-          f"`{call}(min_loss_scale=...)` must be greater than 0, got"
-          f" {self.min_loss_scale!r}."
+        f"`{call}(min_loss_scale=...)` must be greater than 0, got"
+        f" {self.min_loss_scale!r}."
       )
     if self.max_loss_scale is None:
       maximum = None
@@ -431,20 +431,20 @@ class DynamicLossScale(LossScale):
       maximum = _validation.scalar(call, "max_loss_scale", self.max_loss_scale)
     if initial < minimum:
       raise ValueError(
-          f"`{call}(initial_loss_scale=...)` must be at least min_loss_scale="
-          f"{minimum!r}, got {self.initial_loss_scale!r}."
+        f"`{call}(initial_loss_scale=...)` must be at least min_loss_scale="
+        f"{minimum!r}, got {self.initial_loss_scale!r}."
       )
     if maximum is not None and maximum < initial:
       raise ValueError(
-          f"`{call}(max_loss_scale=...)` must be at least initial_loss_scale="
-          f"{initial!r}, got {self.max_loss_scale!r}."
+        f"`{call}(max_loss_scale=...)` must be at least initial_loss_scale="
+        f"{initial!r}, got {self.max_loss_scale!r}."
       )
     for name, value in [
-        ("initial_loss_scale", initial),
-        ("increment_period", period),
-        ("multiplier", multiplier),
-        ("min_loss_scale", minimum),
-        ("max_loss_scale", maximum),
+      ("initial_loss_scale", initial),
+      ("increment_period", period),
+      ("multiplier", multiplier),
+      ("min_loss_scale", minimum),
+      ("max_loss_scale", maximum),
     ]:
       object.__setattr__(self, name, value)
 
@@ -470,22 +470,22 @@ class DynamicLossScale(LossScale):
     good_steps = jnp.where(increase, 0, good_steps)
 
     lowered = jnp.maximum(
-        _exact_div(scale, multiplier), jnp.float32(self.min_loss_scale)
+      _exact_div(scale, multiplier), jnp.float32(self.min_loss_scale)
     )
     new_scale = jnp.where(grads_finite, grown, lowered)
     new_good_steps = jnp.where(grads_finite, good_steps, 0).astype(jnp.int32)
     new = dataclasses.replace(
-        self, current_loss_scale=new_scale, num_good_steps=new_good_steps
+      self, current_loss_scale=new_scale, num_good_steps=new_good_steps
     )
     return new, grads_finite
 
   def get_config(self) -> dict[str, Any]:
     return {
-        "initial_loss_scale": self.initial_loss_scale,
-        "increment_period": self.increment_period,
-        "multiplier": self.multiplier,
-        "min_loss_scale": self.min_loss_scale,
-        "max_loss_scale": self.max_loss_scale,
+      "initial_loss_scale": self.initial_loss_scale,
+      "increment_period": self.increment_period,
+      "multiplier": self.multiplier,
+      "min_loss_scale": self.min_loss_scale,
+      "max_loss_scale": self.max_loss_scale,
     }
 
   @classmethod

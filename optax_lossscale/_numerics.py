@@ -61,10 +61,13 @@ def _verdict(probes: list[jax.Array], axis_name: AxisName) -> jax.Array:
   a single small kernel, whatever the number of leaves.
   """
   as_real = [
-      (jnp.real(p) + jnp.imag(p)) if jnp.iscomplexobj(p) else p for p in probes
+    (jnp.real(p) + jnp.imag(p)) if jnp.iscomplexobj(p) else p for p in probes
   ]
-  total = jnp.sum(jnp.stack([p.astype(jnp.float32) for p in as_real] or
-                            [jnp.zeros((), jnp.float32)]))
+  total = jnp.sum(
+    jnp.stack(
+      [p.astype(jnp.float32) for p in as_real] or [jnp.zeros((), jnp.float32)]
+    )
+  )
   ok = jnp.isfinite(total)
   if axis_name is not None:
     # One scalar collective: every replica ends with the same verdict.

@@ -3,24 +3,24 @@
 from __future__ import annotations
 
 import numbers
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
 
 from optax_lossscale._loss_scale import (
-    DynamicLossScale,
-    FixedLossScale,
-    LossScale,
-    NoOpLossScale,
+  DynamicLossScale,
+  FixedLossScale,
+  LossScale,
+  NoOpLossScale,
 )
 
 __all__ = ["deserialize", "get", "register_loss_scale", "serialize"]
 
 _BUILTINS: dict[str, type[LossScale]] = {
-    "FixedLossScale": FixedLossScale,
-    "DynamicLossScale": DynamicLossScale,
-    "NoOpLossScale": NoOpLossScale,
+  "FixedLossScale": FixedLossScale,
+  "DynamicLossScale": DynamicLossScale,
+  "NoOpLossScale": NoOpLossScale,
 }
 _registered: dict[str, type[LossScale]] = {}
 
@@ -56,15 +56,15 @@ def register_loss_scale(cls: type[LossScale]) -> type[LossScale]:
   """
   if not (isinstance(cls, type) and issubclass(cls, LossScale)):
     raise TypeError(
-        "`register_loss_scale(cls)` takes a subclass of LossScale, got"
-        f" {cls!r:.80}."
+      "`register_loss_scale(cls)` takes a subclass of LossScale, got"
+      f" {cls!r:.80}."
     )
   name = cls.__name__
   known = _BUILTINS.get(name) or _registered.get(name)
   if known is not None and known is not cls:
     raise ValueError(
-        f"`register_loss_scale(cls)`: the name {name!r} is already taken by"
-        f" {known!r}."
+      f"`register_loss_scale(cls)`: the name {name!r} is already taken by"
+      f" {known!r}."
     )
   _registered[name] = cls
   return cls
@@ -92,12 +92,12 @@ def serialize(loss_scale: LossScale) -> dict[str, Any]:
   """
   if not isinstance(loss_scale, LossScale):
     raise TypeError(
-        "`serialize(loss_scale)` takes a LossScale, got"
-        f" {type(loss_scale).__name__}."
+      "`serialize(loss_scale)` takes a LossScale, got"
+      f" {type(loss_scale).__name__}."
     )
   return {
-      "class_name": type(loss_scale).__name__,
-      "config": loss_scale.get_config(),
+    "class_name": type(loss_scale).__name__,
+    "config": loss_scale.get_config(),
   }
 
 
@@ -110,8 +110,8 @@ def _keras_optimizer_loss_scale(config: dict[str, Any]) -> LossScale:
   if not config.get("dynamic", True):
     return FixedLossScale(initial)
   return DynamicLossScale(
-      initial_loss_scale=initial,
-      increment_period=config.get("dynamic_growth_steps", 2000),
+    initial_loss_scale=initial,
+    increment_period=config.get("dynamic_growth_steps", 2000),
   )
 
 
@@ -154,13 +154,13 @@ def deserialize(config: dict[str, Any]) -> LossScale:
   unknown = set(config) - {"class_name", "config"} - _KERAS_KEYS
   if "class_name" not in config or "config" not in config or unknown:
     raise ValueError(
-        f"{where} takes a dict with the keys 'class_name' and 'config', got"
-        f" the keys {sorted(map(repr, config))}."
+      f"{where} takes a dict with the keys 'class_name' and 'config', got"
+      f" the keys {sorted(map(repr, config))}."
     )
   name, inner = config["class_name"], config["config"]
   if not isinstance(name, str):
     raise ValueError(
-        f"{where}: 'class_name' must be a string, got {type(name).__name__}."
+      f"{where}: 'class_name' must be a string, got {type(name).__name__}."
     )
   if not isinstance(inner, dict) or not all(isinstance(k, str) for k in inner):
     raise ValueError(f"{where}: 'config' must be a dict with string keys.")
@@ -169,9 +169,9 @@ def deserialize(config: dict[str, Any]) -> LossScale:
   cls = _BUILTINS.get(name) or _registered.get(name)
   if cls is None:
     raise ValueError(
-        f"{where}: unknown loss scale class {name!r:.80}; known:"
-        f" {sorted(_BUILTINS) + sorted(_registered)}. Register your own with"
-        " `register_loss_scale`."
+      f"{where}: unknown loss scale class {name!r:.80}; known:"
+      f" {sorted(_BUILTINS) + sorted(_registered)}. Register your own with"
+      " `register_loss_scale`."
     )
   return cls.from_config(inner)
 
@@ -181,17 +181,18 @@ def _get(identifier: Any, where: str) -> LossScale:
     return identifier
   if isinstance(identifier, (bool, np.bool_)):
     raise ValueError(
-        f"`{where}` could not interpret the loss scale {identifier!r}."
+      f"`{where}` could not interpret the loss scale {identifier!r}."
     )
   if isinstance(identifier, (numbers.Real, np.ndarray, np.generic, jax.Array)):
-    return FixedLossScale(identifier)
+    # FixedLossScale validates and converts the number itself.
+    return FixedLossScale(cast(float, identifier))
   if isinstance(identifier, str) and identifier == "dynamic":
     return DynamicLossScale()
   if isinstance(identifier, dict):
     return deserialize(identifier)
   raise ValueError(
-      f"`{where}` could not interpret the loss scale {identifier!r:.80}: pass"
-      " a number, 'dynamic', a LossScale, a serialized dict or None."
+    f"`{where}` could not interpret the loss scale {identifier!r:.80}: pass"
+    " a number, 'dynamic', a LossScale, a serialized dict or None."
   )
 
 

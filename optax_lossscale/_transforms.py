@@ -13,11 +13,11 @@ from optax_lossscale import _numerics
 from optax_lossscale._loss_scale import LossScale
 
 __all__ = [
-    "LossScaleOptimizerState",
-    "UnscaleGradientsState",
-    "get_loss_scale",
-    "loss_scale_optimizer",
-    "unscale_gradients",
+  "LossScaleOptimizerState",
+  "UnscaleGradientsState",
+  "get_loss_scale",
+  "loss_scale_optimizer",
+  "unscale_gradients",
 ]
 
 
@@ -58,30 +58,31 @@ class LossScaleOptimizerState(NamedTuple):
 def _check_loss_scale(call: str, loss_scale: Any) -> None:
   if not isinstance(loss_scale, LossScale):
     raise TypeError(
-        f"`{call}(loss_scale=...)` must be a LossScale (FixedLossScale,"
-        " DynamicLossScale, NoOpLossScale, ...), got"
-        f" {type(loss_scale).__name__} {loss_scale!r:.80}; `get` builds one"
-        " from a number or 'dynamic'."
+      f"`{call}(loss_scale=...)` must be a LossScale (FixedLossScale,"
+      " DynamicLossScale, NoOpLossScale, ...), got"
+      f" {type(loss_scale).__name__} {loss_scale!r:.80}; `get` builds one"
+      " from a number or 'dynamic'."
     )
 
 
 def _fresh_copy(loss_scale: LossScale) -> LossScale:
-  return jax.tree.map(jnp.copy, loss_scale)
+  copy: LossScale = jax.tree.map(jnp.copy, loss_scale)
+  return copy
 
 
 def _zeros_like(tree: Any) -> Any:
   return jax.tree.map(
-      lambda s: None if s is None else jnp.zeros(s.shape, s.dtype),
-      tree,
-      is_leaf=lambda x: x is None,
+    lambda s: None if s is None else jnp.zeros(s.shape, s.dtype),
+    tree,
+    is_leaf=lambda x: x is None,
   )
 
 
 def _check_state(call: str, state: Any, state_type: type) -> None:
   if not isinstance(state, state_type):
     raise TypeError(
-        f"`{call}(...).update(updates, state)` takes the {state_type.__name__}"
-        f" that its `init` returned, got {type(state).__name__}."
+      f"`{call}(...).update(updates, state)` takes the {state_type.__name__}"
+      f" that its `init` returned, got {type(state).__name__}."
     )
 
 
@@ -89,18 +90,20 @@ def _check_structure(call: str, updates: Any, params: Any) -> None:
   if params is None:
     return
   is_none = lambda x: x is None  # noqa: E731
-  if jax.tree.structure(updates, is_leaf=is_none) != jax.tree.structure(
-      params, is_leaf=is_none
-  ):
+  expected = jax.tree.structure(params, is_leaf=is_none)
+  # jax's stubs do not declare PyTreeDef's equality, which is the documented
+  # way to compare tree structures.
+  actual = jax.tree.structure(updates, is_leaf=is_none)
+  if not actual == expected:  # type: ignore[operator]
     raise ValueError(
-        f"`{call}(...).update(updates, state, params)`: the structure of"
-        " `updates` does not match that of `params`:"
-        f" {jax.tree.structure(updates)} vs {jax.tree.structure(params)}."
+      f"`{call}(...).update(updates, state, params)`: the structure of"
+      " `updates` does not match that of `params`:"
+      f" {jax.tree.structure(updates)} vs {jax.tree.structure(params)}."
     )
 
 
 def unscale_gradients(
-    loss_scale: LossScale, *, axis_name: _numerics.AxisName = None
+  loss_scale: LossScale, *, axis_name: _numerics.AxisName = None
 ) -> optax.GradientTransformationExtraArgs:
   """Unscales the gradients and updates the loss scale; never skips.
 
@@ -140,17 +143,17 @@ def unscale_gradients(
     return UnscaleGradientsState(_fresh_copy(loss_scale), jnp.array(True))
 
   def update_fn(
-      updates: optax.Updates,
-      state: UnscaleGradientsState,
-      params: optax.Params | None = None,
-      **extra_args: Any,
+    updates: optax.Updates,
+    state: UnscaleGradientsState,
+    params: optax.Params | None = None,
+    **extra_args: Any,
   ) -> tuple[optax.Updates, UnscaleGradientsState]:
     del extra_args
     _check_state("unscale_gradients", state, UnscaleGradientsState)
     _check_structure("unscale_gradients", updates, params)
     updates = state.loss_scale.unscale(updates)
     new_loss_scale, should_apply = state.loss_scale.update(
-        updates, axis_name=axis_name
+      updates, axis_name=axis_name
     )
     return updates, UnscaleGradientsState(new_loss_scale, should_apply)
 
@@ -158,11 +161,11 @@ def unscale_gradients(
 
 
 def loss_scale_optimizer(
-    inner: optax.GradientTransformation,
-    loss_scale: LossScale,
-    *,
-    skip_nonfinite: bool = True,
-    axis_name: _numerics.AxisName = None,
+  inner: optax.GradientTransformation,
+  loss_scale: LossScale,
+  *,
+  skip_nonfinite: bool = True,
+  axis_name: _numerics.AxisName = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps an optimizer with loss scaling: unscale, check, update or skip.
 
@@ -223,15 +226,15 @@ def loss_scale_optimizer(
     inner = accumulator.gradient_transformation()
   if not isinstance(inner, optax.GradientTransformation):
     raise TypeError(
-        "`loss_scale_optimizer(inner=...)` must be an Optax transformation"
-        " (optax.GradientTransformation), got"
-        f" {type(inner).__name__} {inner!r:.80}."
+      "`loss_scale_optimizer(inner=...)` must be an Optax transformation"
+      " (optax.GradientTransformation), got"
+      f" {type(inner).__name__} {inner!r:.80}."
     )
   _check_loss_scale("loss_scale_optimizer", loss_scale)
   if not isinstance(skip_nonfinite, bool):
     raise TypeError(
-        "`loss_scale_optimizer(skip_nonfinite=...)` must be a bool, got"
-        f" {skip_nonfinite!r:.80}."
+      "`loss_scale_optimizer(skip_nonfinite=...)` must be a bool, got"
+      f" {skip_nonfinite!r:.80}."
     )
   inner = optax.with_extra_args_support(inner)
 
@@ -239,18 +242,18 @@ def loss_scale_optimizer(
     # Fresh arrays throughout: a donated state must not share buffers with
     # itself or with the loss scale this factory holds.
     return LossScaleOptimizerState(
-        loss_scale=_fresh_copy(loss_scale),
-        inner_state=inner.init(params),
-        should_apply=jnp.array(True),
-        skipped_steps=jnp.zeros((), jnp.int32),
-        consecutive_skipped_steps=jnp.zeros((), jnp.int32),
+      loss_scale=_fresh_copy(loss_scale),
+      inner_state=inner.init(params),
+      should_apply=jnp.array(True),
+      skipped_steps=jnp.zeros((), jnp.int32),
+      consecutive_skipped_steps=jnp.zeros((), jnp.int32),
     )
 
   def update_fn(
-      updates: optax.Updates,
-      state: LossScaleOptimizerState,
-      params: optax.Params | None = None,
-      **extra_args: Any,
+    updates: optax.Updates,
+    state: LossScaleOptimizerState,
+    params: optax.Params | None = None,
+    **extra_args: Any,
   ) -> tuple[optax.Updates, LossScaleOptimizerState]:
     _check_state("loss_scale_optimizer", state, LossScaleOptimizerState)
     _check_structure("loss_scale_optimizer", updates, params)
@@ -265,19 +268,20 @@ def loss_scale_optimizer(
       should_apply &= finite
 
     def apply(
-        updates: optax.Updates, inner_state: optax.OptState
+      updates: optax.Updates, inner_state: optax.OptState
     ) -> tuple[optax.Updates, optax.OptState]:
-      return inner.update(
-          loss_scale.unscale(updates), inner_state, params, **extra_args
+      result: tuple[optax.Updates, optax.OptState] = inner.update(
+        loss_scale.unscale(updates), inner_state, params, **extra_args
       )
+      return result
 
     def skip_like_updates(
-        updates: optax.Updates, inner_state: optax.OptState
+      updates: optax.Updates, inner_state: optax.OptState
     ) -> tuple[optax.Updates, optax.OptState]:
       return _zeros_like(updates), inner_state
 
     def skip_like_inner(
-        updates: optax.Updates, inner_state: optax.OptState
+      updates: optax.Updates, inner_state: optax.OptState
     ) -> tuple[optax.Updates, optax.OptState]:
       shapes = jax.eval_shape(apply, updates, inner_state)[0]
       return _zeros_like(shapes), inner_state
@@ -286,11 +290,11 @@ def loss_scale_optimizer(
       # Nearly every inner transformation returns updates shaped like its
       # input; then the skip branch needs no second trace of `inner`.
       new_updates, inner_state = lax.cond(
-          should_apply, apply, skip_like_updates, updates, state.inner_state
+        should_apply, apply, skip_like_updates, updates, state.inner_state
       )
     except TypeError:
       new_updates, inner_state = lax.cond(
-          should_apply, apply, skip_like_inner, updates, state.inner_state
+        should_apply, apply, skip_like_inner, updates, state.inner_state
       )
     if accumulator is not None:
       # Gradient accumulation: the scale grows per optimizer step, not per
@@ -300,22 +304,22 @@ def loss_scale_optimizer(
       # accumulated under the old scale is invalidated.)
       hold = should_apply & ~accumulator.has_updated(inner_state)
       new_loss_scale = jax.tree.map(
-          lambda old, new: jnp.where(hold, old, new), loss_scale, new_loss_scale
+        lambda old, new: jnp.where(hold, old, new), loss_scale, new_loss_scale
       )
     return new_updates, LossScaleOptimizerState(
-        loss_scale=new_loss_scale,
-        inner_state=inner_state,
-        should_apply=should_apply,
-        skipped_steps=jnp.where(
-            should_apply,
-            state.skipped_steps,
-            optax.safe_increment(state.skipped_steps),
-        ),
-        consecutive_skipped_steps=jnp.where(
-            should_apply,
-            jnp.zeros((), jnp.int32),
-            optax.safe_increment(state.consecutive_skipped_steps),
-        ),
+      loss_scale=new_loss_scale,
+      inner_state=inner_state,
+      should_apply=should_apply,
+      skipped_steps=jnp.where(
+        should_apply,
+        state.skipped_steps,
+        optax.safe_increment(state.skipped_steps),
+      ),
+      consecutive_skipped_steps=jnp.where(
+        should_apply,
+        jnp.zeros((), jnp.int32),
+        optax.safe_increment(state.consecutive_skipped_steps),
+      ),
     )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -350,16 +354,16 @@ def get_loss_scale(opt_state: optax.OptState) -> LossScale:
     FixedLossScale(loss_scale_value=256.0)
   """
   found = [
-      node
-      for node in jax.tree.leaves(
-          opt_state, is_leaf=lambda x: isinstance(x, _STATES)
-      )
-      if isinstance(node, _STATES)
+    node
+    for node in jax.tree.leaves(
+      opt_state, is_leaf=lambda x: isinstance(x, _STATES)
+    )
+    if isinstance(node, _STATES)
   ]
   if len(found) != 1:
     raise ValueError(
-        "`get_loss_scale(opt_state)` expects exactly one loss scale in the"
-        f" state (from `unscale_gradients` or `loss_scale_optimizer`), found"
-        f" {len(found)}."
+      "`get_loss_scale(opt_state)` expects exactly one loss scale in the"
+      f" state (from `unscale_gradients` or `loss_scale_optimizer`), found"
+      f" {len(found)}."
     )
   return found[0].loss_scale

@@ -14,10 +14,10 @@ __all__ = ["scaled_value_and_grad"]
 
 
 def scaled_value_and_grad(
-    fun: Callable[..., Any],
-    *,
-    argnums: int | Sequence[int] = 0,
-    has_aux: bool = False,
+  fun: Callable[..., Any],
+  *,
+  argnums: int | Sequence[int] = 0,
+  has_aux: bool = False,
 ) -> Callable[..., tuple[Any, Any]]:
   """`jax.value_and_grad` of the scaled loss, returning the unscaled value.
 
@@ -49,11 +49,11 @@ def scaled_value_and_grad(
   """
   if not callable(fun):
     raise TypeError(
-        f"`scaled_value_and_grad(fun)` takes a callable, got {fun!r:.80}."
+      f"`scaled_value_and_grad(fun)` takes a callable, got {fun!r:.80}."
     )
 
   def value_and_scaled_grad(
-      loss_scale: Any, *args: Any, **kwargs: Any
+    loss_scale: Any, *args: Any, **kwargs: Any
   ) -> tuple[Any, Any]:
     if not isinstance(loss_scale, LossScale):
       loss_scale = get_loss_scale(loss_scale)
@@ -64,7 +64,7 @@ def scaled_value_and_grad(
       return loss_scale.scale(loss), (loss, aux)
 
     (_, (loss, aux)), grads = jax.value_and_grad(
-        scaled, argnums=argnums, has_aux=True
+      scaled, argnums=argnums, has_aux=True
     )(*args, **kwargs)
     return ((loss, aux) if has_aux else loss), grads
 

@@ -45,8 +45,8 @@ def _require(module: str) -> Any:
     return importlib.import_module(module)
   except ImportError:
     sys.exit(
-        f"The demo needs {module!r}, which is not installed. Install the"
-        " demo extra: pip install 'optax_lossscale[demo]'"
+      f"The demo needs {module!r}, which is not installed. Install the"
+      " demo extra: pip install 'optax_lossscale[demo]'"
     )
 
 
@@ -63,7 +63,9 @@ def _load_digits(seed: int) -> tuple[np.ndarray, ...]:
 def _init(key: jax.Array) -> list[dict[str, jax.Array]]:
   sizes = [64] + [WIDTH] * DEPTH + [10]
   params = []
-  for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
+  for i, (fan_in, fan_out) in enumerate(
+    zip(sizes[:-1], sizes[1:], strict=True)
+  ):
     w = jax.random.normal(jax.random.fold_in(key, i), (fan_in, fan_out))
     params.append({"w": w * GAIN / np.sqrt(fan_in), "b": jnp.zeros(fan_out)})
   return params
@@ -86,25 +88,28 @@ def _loss(params: Any, x: jax.Array, y: jax.Array, dtype: Any) -> jax.Array:
 
 def _make_step(dtype: Any, tx: optax.GradientTransformation) -> Any:
   @jax.jit
-  def step(params, opt_state, x, y):
+  def step(
+    params: Any, opt_state: Any, x: jax.Array, y: jax.Array
+  ) -> tuple[Any, Any, dict[str, jax.Array]]:
     loss, grads = ols.scaled_value_and_grad(_loss)(
-        opt_state, params, x, y, dtype
+      opt_state, params, x, y, dtype
     )
     # Underflow: entries that float32 computes as non-zero and this run's
     # (scaled) low-precision backward pass returns as exactly zero.
     reference = jax.grad(_loss)(params, x, y, jnp.float32)
     lost = sum(
-        jnp.sum((r != 0) & (g == 0))
-        for r, g in zip(jax.tree.leaves(reference), jax.tree.leaves(grads),
-                        strict=True)
+      jnp.sum((r != 0) & (g == 0))
+      for r, g in zip(
+        jax.tree.leaves(reference), jax.tree.leaves(grads), strict=True
+      )
     )
     alive = sum(jnp.sum(r != 0) for r in jax.tree.leaves(reference))
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     stats = {
-        "loss": loss,
-        "loss_scale": ols.get_loss_scale(opt_state)(),
-        "underflow": lost / alive,
+      "loss": loss,
+      "loss_scale": ols.get_loss_scale(opt_state)(),
+      "underflow": lost / alive,
     }
     return params, opt_state, stats
 
@@ -112,17 +117,27 @@ def _make_step(dtype: Any, tx: optax.GradientTransformation) -> Any:
 
 
 RUNS = [
-    ("float32 reference", jnp.float32, ols.NoOpLossScale()),
-    ("float16, no loss scaling", jnp.float16, ols.NoOpLossScale()),
-    (f"float16, FixedLossScale(2**{int(np.log2(FIXED_SCALE))})", jnp.float16,
-     ols.FixedLossScale(FIXED_SCALE)),
-    ("float16, DynamicLossScale()", jnp.float16,
-     ols.DynamicLossScale(increment_period=200)),
+  ("float32 reference", jnp.float32, ols.NoOpLossScale()),
+  ("float16, no loss scaling", jnp.float16, ols.NoOpLossScale()),
+  (
+    f"float16, FixedLossScale(2**{int(np.log2(FIXED_SCALE))})",
+    jnp.float16,
+    ols.FixedLossScale(FIXED_SCALE),
+  ),
+  (
+    "float16, DynamicLossScale()",
+    jnp.float16,
+    ols.DynamicLossScale(increment_period=200),
+  ),
 ]
 
 
 def train(
-    name: str, dtype: Any, loss_scale: ols.LossScale, data: tuple, args: Any
+  name: str,
+  dtype: Any,
+  loss_scale: ols.LossScale,
+  data: tuple[np.ndarray, ...],
+  args: Any,
 ) -> dict[str, Any]:
   tqdm = _require("tqdm").tqdm
   x_train, y_train, x_test, y_test = data
@@ -131,38 +146,44 @@ def train(
   opt_state = tx.init(params)
   step = _make_step(dtype, tx)
   rng = np.random.RandomState(args.seed + 1)
-  history: dict[str, list[float]] = {"loss": [], "loss_scale": [],
-                                     "underflow": []}
+  history: dict[str, list[float]] = {
+    "loss": [],
+    "loss_scale": [],
+    "underflow": [],
+  }
   for _ in tqdm(range(args.steps), desc=f"{name:<32}", leave=True):
     batch = rng.randint(0, len(x_train), args.batch_size)
-    params, opt_state, stats = step(params, opt_state, x_train[batch],
-                                    y_train[batch])
+    params, opt_state, stats = step(
+      params, opt_state, x_train[batch], y_train[batch]
+    )
     for key, value in stats.items():
       history[key].append(float(value))
   logits = _logits(params, jnp.asarray(x_test), dtype)
   accuracy = float(jnp.mean(jnp.argmax(logits, -1) == y_test))
   return {
-      "name": name,
-      "history": history,
-      "final_loss": float(np.mean(history["loss"][-20:])),
-      "accuracy": accuracy,
-      "underflow": float(np.mean(history["underflow"])),
-      "first_underflow": history["underflow"][0],
-      "skipped": int(opt_state.skipped_steps),
-      "loss_scale": float(ols.get_loss_scale(opt_state)()),
+    "name": name,
+    "history": history,
+    "final_loss": float(np.mean(history["loss"][-20:])),
+    "accuracy": accuracy,
+    "underflow": float(np.mean(history["underflow"])),
+    "first_underflow": history["underflow"][0],
+    "skipped": int(opt_state.skipped_steps),
+    "loss_scale": float(ols.get_loss_scale(opt_state)()),
   }
 
 
 def _table(results: list[dict[str, Any]]) -> str:
-  header = (f"{'run':<34}{'final loss':>11}{'test acc':>10}"
-            f"{'underflow@1':>13}{'underflow':>11}{'skipped':>9}"
-            f"{'loss scale':>12}")
+  header = (
+    f"{'run':<34}{'final loss':>11}{'test acc':>10}"
+    f"{'underflow@1':>13}{'underflow':>11}{'skipped':>9}"
+    f"{'loss scale':>12}"
+  )
   lines = [header, "-" * len(header)]
   for r in results:
     lines.append(
-        f"{r['name']:<34}{r['final_loss']:>11.4f}{r['accuracy']:>10.1%}"
-        f"{r['first_underflow']:>13.1%}{r['underflow']:>11.2%}"
-        f"{r['skipped']:>9d}{r['loss_scale']:>12g}"
+      f"{r['name']:<34}{r['final_loss']:>11.4f}{r['accuracy']:>10.1%}"
+      f"{r['first_underflow']:>13.1%}{r['underflow']:>11.2%}"
+      f"{r['skipped']:>9d}{r['loss_scale']:>12g}"
     )
   return "\n".join(lines)
 
@@ -189,17 +210,28 @@ def _plot(results: list[dict[str, Any]], path: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   parser = argparse.ArgumentParser(
-      prog="python -m optax_lossscale.demo",
-      description="Train a float16 network on scikit-learn's digits with and"
-      " without loss scaling, and compare.",
+    prog="python -m optax_lossscale.demo",
+    description="Train a float16 network on scikit-learn's digits with and"
+    " without loss scaling, and compare.",
   )
-  parser.add_argument("--steps", type=int, default=600,
-                      help="training steps per run (default: 600)")
+  parser.add_argument(
+    "--steps",
+    type=int,
+    default=600,
+    help="training steps per run (default: 600)",
+  )
   parser.add_argument("--seed", type=int, default=0, help="random seed")
-  parser.add_argument("--batch-size", type=int, default=128,
-                      help="examples per step (default: 128)")
-  parser.add_argument("--out", default="lossscale_demo.png",
-                      help="where to write the plot (default: %(default)s)")
+  parser.add_argument(
+    "--batch-size",
+    type=int,
+    default=128,
+    help="examples per step (default: 128)",
+  )
+  parser.add_argument(
+    "--out",
+    default="lossscale_demo.png",
+    help="where to write the plot (default: %(default)s)",
+  )
   args = parser.parse_args(argv)
   if args.steps < 1 or args.batch_size < 1:
     parser.error("--steps and --batch-size must be positive")
@@ -207,14 +239,14 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     _require(module)
 
   print(
-      f"Setting: {DEPTH} tanh layers of width {WIDTH}, initialised with gain"
-      f" {GAIN}; Adam (learning rate {LEARNING_RATE}); float32 master weights,"
-      f" float16 compute; {args.steps} steps of batch {args.batch_size} on"
-      " scikit-learn's digits (1,437 train / 360 test images).\n"
-      "At the start, the first layers' gradients fall below float16's"
-      " smallest subnormal (6e-8) and underflow to zero unless the loss is"
-      " scaled. underflow@1: share of the gradient entries lost at step 1;"
-      " underflow: the mean over the run."
+    f"Setting: {DEPTH} tanh layers of width {WIDTH}, initialised with gain"
+    f" {GAIN}; Adam (learning rate {LEARNING_RATE}); float32 master weights,"
+    f" float16 compute; {args.steps} steps of batch {args.batch_size} on"
+    " scikit-learn's digits (1,437 train / 360 test images).\n"
+    "At the start, the first layers' gradients fall below float16's"
+    " smallest subnormal (6e-8) and underflow to zero unless the loss is"
+    " scaled. underflow@1: share of the gradient entries lost at step 1;"
+    " underflow: the mean over the run."
   )
   start = time.perf_counter()
   data = _load_digits(args.seed)
@@ -222,8 +254,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   print()
   print(_table(results))
   _plot(results, args.out)
-  print(f"\nPlot written to {args.out}; {time.perf_counter() - start:.0f} s"
-        " in all.")
+  print(
+    f"\nPlot written to {args.out}; {time.perf_counter() - start:.0f} s in all."
+  )
   return results
 
 

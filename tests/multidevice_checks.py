@@ -13,7 +13,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import optax_lossscale as ols  # noqa: E402
@@ -29,7 +29,8 @@ def _mesh(shape, names):
 
 def _make(axis_name=None):
   return ols.loss_scale_optimizer(
-      optax.sgd(0.1), ols.DynamicLossScale(2.0**10, 2), axis_name=axis_name)
+    optax.sgd(0.1), ols.DynamicLossScale(2.0**10, 2), axis_name=axis_name
+  )
 
 
 def _per_replica_grads(step, bad_replica):
@@ -75,21 +76,28 @@ def check_shard_map():
   state = tx.init({"w": jnp.zeros((1, 4))})
 
   @jax.jit
-  @partial(jax.shard_map, mesh=mesh, in_specs=(P("i"), P(), P("i")),
-           out_specs=(P("i"), P()), check_vma=False)
+  @partial(
+    jax.shard_map,
+    mesh=mesh,
+    in_specs=(P("i"), P(), P("i")),
+    out_specs=(P("i"), P()),
+    check_vma=False,
+  )
   def step(params, state, grads):
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
   sharded = NamedSharding(mesh, P("i"))
   params = jax.device_put(params, sharded)
-  params, state = step(params, state,
-                       jax.device_put(_per_replica_grads(0, 5), sharded))
+  params, state = step(
+    params, state, jax.device_put(_per_replica_grads(0, 5), sharded)
+  )
   assert not bool(state.should_apply)
   assert float(state.loss_scale()) == 2.0**9
   np.testing.assert_array_equal(params["w"], 0.0)
-  params, state = step(params, state,
-                       jax.device_put(_per_replica_grads(1, 5), sharded))
+  params, state = step(
+    params, state, jax.device_put(_per_replica_grads(1, 5), sharded)
+  )
   assert bool(state.should_apply)
   np.testing.assert_allclose(params["w"], -0.2, rtol=1e-6)
 
@@ -105,8 +113,9 @@ def _sharded_run(mesh, param_spec, data_spec):
     pred = (h @ p["v"].astype(jnp.float16)).astype(jnp.float32)
     return jnp.mean((pred - y) ** 2) + jnp.sum(p["w"] ** 2) * 1e-3
 
-  tx = ols.loss_scale_optimizer(optax.adam(1e-2),
-                                ols.DynamicLossScale(2.0**15, 3))
+  tx = ols.loss_scale_optimizer(
+    optax.adam(1e-2), ols.DynamicLossScale(2.0**15, 3)
+  )
 
   def step(params, state, x, y):
     _, grads = ols.scaled_value_and_grad(loss_fn)(state, params, x, y)
@@ -130,9 +139,12 @@ def _sharded_run(mesh, param_spec, data_spec):
     for k in params:
       assert params[k].sharding.is_equivalent_to(ps[k], 2), params[k].sharding
     out_state_shardings = jax.tree.map(lambda a: a.sharding, state)
-    for a, b, leaf in zip(jax.tree.leaves(in_state_shardings),
-                          jax.tree.leaves(out_state_shardings),
-                          jax.tree.leaves(state), strict=True):
+    for a, b, leaf in zip(
+      jax.tree.leaves(in_state_shardings),
+      jax.tree.leaves(out_state_shardings),
+      jax.tree.leaves(state),
+      strict=True,
+    ):
       if leaf.ndim:  # arrays keep their sharding: nothing is gathered
         assert b.is_equivalent_to(a, leaf.ndim), (a, b)
       else:  # scalars (the loss scale, counters) end up replicated
@@ -147,16 +159,15 @@ def check_sharded_jit():
   data_mesh = _mesh((N,), ("data",))
   model_mesh = _mesh((2, 4), ("data", "model"))
   for mesh, pspec, dspec in [
-      (data_mesh, {"w": P(), "v": P()}, P("data")),
-      (model_mesh, {"w": P(None, "model"), "v": P("model", None)}, P("data")),
+    (data_mesh, {"w": P(), "v": P()}, P("data")),
+    (model_mesh, {"w": P(None, "model"), "v": P("model", None)}, P("data")),
   ]:
     params, state, applied = _sharded_run(mesh, pspec, dspec)
     assert applied == ref_applied
     assert float(state.loss_scale()) == float(ref_state.loss_scale())
     assert int(state.skipped_steps) == int(ref_state.skipped_steps)
     for k in params:
-      np.testing.assert_allclose(params[k], ref_params[k], rtol=2e-3,
-                                 atol=1e-5)
+      np.testing.assert_allclose(params[k], ref_params[k], rtol=2e-3, atol=1e-5)
 
 
 if __name__ == "__main__":

@@ -18,11 +18,14 @@ import optax_lossscale as ols  # noqa: E402
 
 port, rank, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
-jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2,
-                           process_id=rank, initialization_timeout=60)
+jax.distributed.initialize(
+  f"127.0.0.1:{port}",
+  num_processes=2,
+  process_id=rank,
+  initialization_timeout=60,
+)
 assert jax.device_count() == 4 and jax.local_device_count() == 2
-mesh = jax.make_mesh((4,), ("data",),
-                     axis_types=(jax.sharding.AxisType.Auto,))
+mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
 data = NamedSharding(mesh, P("data"))
 replicated = NamedSharding(mesh, P())
 
@@ -48,10 +51,12 @@ for t in range(2):
   applied = bool(state.should_apply)
   assert applied == (t == 1), (t, applied)
 
-result = np.concatenate([
+result = np.concatenate(
+  [
     np.asarray(params["w"].addressable_data(0)).ravel(),
     [float(state.loss_scale.current_loss_scale.addressable_data(0))],
     [int(state.skipped_steps.addressable_data(0))],
-])
+  ]
+)
 np.save(out, result)
 jax.distributed.shutdown()

@@ -14,8 +14,9 @@ pytestmark = pytest.mark.usefixtures("standard_promotion")
 
 def test_demo_runs_and_writes_a_png(tmp_path, capsys):
   out = tmp_path / "demo.png"
-  results = demo.main(["--steps", "15", "--batch-size", "32", "--seed", "1",
-                       "--out", str(out)])
+  results = demo.main(
+    ["--steps", "15", "--batch-size", "32", "--seed", "1", "--out", str(out)]
+  )
   assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   assert [r["name"] for r in results] == [name for name, _, _ in demo.RUNS]
   for r in results:

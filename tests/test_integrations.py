@@ -19,10 +19,10 @@ import optax_lossscale as ols
 from tests.tf_reference import tf_dynamic_loss_scale
 
 pytestmark = [
-    pytest.mark.usefixtures("standard_promotion"),
-    # Orbax and Flax warn about their own deprecations; not ours to fix.
-    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore::UserWarning"),
+  pytest.mark.usefixtures("standard_promotion"),
+  # Orbax and Flax warn about their own deprecations; not ours to fix.
+  pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+  pytest.mark.filterwarnings("ignore::UserWarning"),
 ]
 
 X = jax.random.normal(jax.random.PRNGKey(0), (32, 4))
@@ -31,15 +31,23 @@ Y = jnp.sin(X @ jnp.array([[1.0], [-2.0], [0.5], [3.0]]))
 
 def _mlp_params(key=0):
   k1, k2 = jax.random.split(jax.random.PRNGKey(key))
-  return {"w1": jax.random.normal(k1, (4, 16)) * 0.5, "b1": jnp.zeros(16),
-          "w2": jax.random.normal(k2, (16, 1)) * 0.5, "b2": jnp.zeros(1)}
+  return {
+    "w1": jax.random.normal(k1, (4, 16)) * 0.5,
+    "b1": jnp.zeros(16),
+    "w2": jax.random.normal(k2, (16, 1)) * 0.5,
+    "b2": jnp.zeros(1),
+  }
 
 
 def _loss(params, x, y):
-  h = jnp.tanh(x.astype(jnp.float16) @ params["w1"].astype(jnp.float16)
-               + params["b1"].astype(jnp.float16)[None, :])
-  pred = h @ params["w2"].astype(jnp.float16) + params["b2"].astype(
-      jnp.float16)[None, :]
+  h = jnp.tanh(
+    x.astype(jnp.float16) @ params["w1"].astype(jnp.float16)
+    + params["b1"].astype(jnp.float16)[None, :]
+  )
+  pred = (
+    h @ params["w2"].astype(jnp.float16)
+    + params["b2"].astype(jnp.float16)[None, :]
+  )
   return jnp.mean((pred.astype(jnp.float32) - y) ** 2)
 
 
@@ -47,8 +55,9 @@ def _loss(params, x, y):
 
 
 def test_orbax_checkpoint_mid_run_resumes_bit_for_bit(tmp_path):
-  tx = ols.loss_scale_optimizer(optax.adam(1e-2),
-                                ols.DynamicLossScale(2.0**15, 4))
+  tx = ols.loss_scale_optimizer(
+    optax.adam(1e-2), ols.DynamicLossScale(2.0**15, 4)
+  )
 
   @jax.jit
   def step(params, opt_state):
@@ -95,8 +104,9 @@ class _NNXModel(nnx.Module):
 
 def test_nnx_optimizer_train_step():
   model = _NNXModel(nnx.Rngs(0))
-  tx = ols.loss_scale_optimizer(optax.adam(1e-2), ols.DynamicLossScale(
-      2.0**15, 5))
+  tx = ols.loss_scale_optimizer(
+    optax.adam(1e-2), ols.DynamicLossScale(2.0**15, 5)
+  )
   optimizer = nnx.Optimizer(model, tx=tx, wrt=nnx.Param)
 
   @nnx.jit
@@ -131,8 +141,9 @@ def test_linen_train_state_step():
   model = _LinenModel()
   params = model.init(jax.random.PRNGKey(0), X)["params"]
   tx = ols.loss_scale_optimizer(optax.adam(1e-2), ols.DynamicLossScale())
-  state = train_state.TrainState.create(apply_fn=model.apply, params=params,
-                                        tx=tx)
+  state = train_state.TrainState.create(
+    apply_fn=model.apply, params=params, tx=tx
+  )
 
   @jax.jit
   def train_step(state, x, y):
@@ -140,8 +151,9 @@ def test_linen_train_state_step():
       pred = state.apply_fn({"params": params}, x).astype(jnp.float32)
       return jnp.mean((pred - y) ** 2)
 
-    loss, grads = ols.scaled_value_and_grad(loss_fn)(state.opt_state,
-                                                     state.params)
+    loss, grads = ols.scaled_value_and_grad(loss_fn)(
+      state.opt_state, state.params
+    )
     return state.apply_gradients(grads=grads), loss
 
   losses = []
@@ -158,8 +170,9 @@ def test_linen_train_state_step():
 
 
 def test_equinox_filter_value_and_grad_step():
-  model = eqx.nn.MLP(4, 1, 16, 2, activation=jnp.tanh,
-                     key=jax.random.PRNGKey(0))
+  model = eqx.nn.MLP(
+    4, 1, 16, 2, activation=jnp.tanh, key=jax.random.PRNGKey(0)
+  )
   tx = ols.loss_scale_optimizer(optax.adam(1e-2), ols.DynamicLossScale())
   opt_state = tx.init(eqx.filter(model, eqx.is_array))
 
@@ -169,14 +182,16 @@ def test_equinox_filter_value_and_grad_step():
 
     def loss_fn(model):
       half = jax.tree.map(
-          lambda a: a.astype(jnp.float16) if eqx.is_array(a) else a, model)
+        lambda a: a.astype(jnp.float16) if eqx.is_array(a) else a, model
+      )
       pred = jax.vmap(half)(x.astype(jnp.float16)).astype(jnp.float32)
       loss = jnp.mean((pred - y) ** 2)
       return loss_scale.scale(loss), loss
 
     (_, loss), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(model)
-    updates, opt_state = tx.update(grads, opt_state,
-                                   eqx.filter(model, eqx.is_array))
+    updates, opt_state = tx.update(
+      grads, opt_state, eqx.filter(model, eqx.is_array)
+    )
     return eqx.apply_updates(model, updates), opt_state, loss
 
   losses = []
@@ -192,26 +207,33 @@ def test_equinox_filter_value_and_grad_step():
 # As `tf.keras.mixed_precision.experimental.LossScaleOptimizer.get_config()`
 # (TF 2.3) and Keras 2's `LossScaleOptimizer.get_config()` wrote them.
 TF_OPTIMIZER_CONFIG = {
-    "class_name": "LossScaleOptimizer",
-    "config": {
-        "optimizer": {"class_name": "SGD", "config": {"learning_rate": 0.1}},
-        "loss_scale": {
-            "class_name": "DynamicLossScale",
-            "config": {"initial_loss_scale": 2.0**15, "increment_period": 3,
-                       "multiplier": 2.0},
-        },
+  "class_name": "LossScaleOptimizer",
+  "config": {
+    "optimizer": {"class_name": "SGD", "config": {"learning_rate": 0.1}},
+    "loss_scale": {
+      "class_name": "DynamicLossScale",
+      "config": {
+        "initial_loss_scale": 2.0**15,
+        "increment_period": 3,
+        "multiplier": 2.0,
+      },
     },
+  },
 }
 KERAS_OPTIMIZER_CONFIG = {
-    "class_name": "LossScaleOptimizer",
-    "config": {"inner_optimizer": {"class_name": "SGD", "config": {}},
-               "dynamic": True, "initial_scale": 2.0**15,
-               "dynamic_growth_steps": 3},
+  "class_name": "LossScaleOptimizer",
+  "config": {
+    "inner_optimizer": {"class_name": "SGD", "config": {}},
+    "dynamic": True,
+    "initial_scale": 2.0**15,
+    "dynamic_growth_steps": 3,
+  },
 }
 
 
-@pytest.mark.parametrize("config", [TF_OPTIMIZER_CONFIG, KERAS_OPTIMIZER_CONFIG],
-                         ids=["tf", "keras"])
+@pytest.mark.parametrize(
+  "config", [TF_OPTIMIZER_CONFIG, KERAS_OPTIMIZER_CONFIG], ids=["tf", "keras"]
+)
 def test_train_with_configs_written_by_tensorflow_and_keras(config):
   loss_scale = ols.deserialize(config)
   tx = ols.loss_scale_optimizer(optax.sgd(0.1), loss_scale)

@@ -52,30 +52,30 @@ def test_fixed_update_never_changes_and_always_applies():
 
 
 @pytest.mark.parametrize(
-    "value", [1, 1.0, 2**15, np.float32(8), np.int64(4), jnp.float32(16.0)]
+  "value", [1, 1.0, 2**15, np.float32(8), np.int64(4), jnp.float32(16.0)]
 )
 def test_fixed_accepts_python_and_array_scalars(value):
   assert ols.FixedLossScale(value).loss_scale_value == float(value)
 
 
 @pytest.mark.parametrize(
-    "value, error",
-    [
-        (0.5, ValueError),
-        (0, ValueError),
-        (-3, ValueError),
-        (float("nan"), ValueError),
-        (float("inf"), ValueError),
-        (1e39, ValueError),
-        (True, TypeError),
-        ("128", TypeError),
-        (None, TypeError),
-        ([2.0], TypeError),
-        ((2.0, 4.0), TypeError),
-        (np.array([2.0, 4.0]), ValueError),
-        (jnp.ones((1,)), ValueError),
-        (np.array(True), TypeError),
-    ],
+  "value, error",
+  [
+    (0.5, ValueError),
+    (0, ValueError),
+    (-3, ValueError),
+    (float("nan"), ValueError),
+    (float("inf"), ValueError),
+    (1e39, ValueError),
+    (True, TypeError),
+    ("128", TypeError),
+    (None, TypeError),
+    ([2.0], TypeError),
+    ((2.0, 4.0), TypeError),
+    (np.array([2.0, 4.0]), ValueError),
+    (jnp.ones((1,)), ValueError),
+    (np.array(True), TypeError),
+  ],
 )
 def test_fixed_rejects_bad_values_naming_the_argument(value, error):
   with pytest.raises(error, match="loss_scale_value"):
@@ -178,7 +178,7 @@ def test_dynamic_bit_exact_with_non_power_of_two_multipliers(multiplier):
     return ls, ls()
 
   _, scanned = jax.jit(lambda ls, f: lax.scan(body, ls, f))(
-      loss_scale, jnp.array(steps)
+    loss_scale, jnp.array(steps)
   )
   np.testing.assert_array_equal(np.array(eager, np.float32), expected)
   np.testing.assert_array_equal(np.array(jitted, np.float32), expected)
@@ -187,13 +187,11 @@ def test_dynamic_bit_exact_with_non_power_of_two_multipliers(multiplier):
 
 def test_dynamic_min_and_max_bounds():
   loss_scale = ols.DynamicLossScale(
-      8.0, 1, 2.0, min_loss_scale=2.0, max_loss_scale=32.0
+    8.0, 1, 2.0, min_loss_scale=2.0, max_loss_scale=32.0
   )
   scales, _ = _run(loss_scale, [True] * 4 + [False] * 5)
   assert scales == [16, 32, 32, 32, 16, 8, 4, 2, 2]
-  ref = tf_dynamic_loss_scale(
-      [True] * 4 + [False] * 5, 8.0, 1, 2.0, 2.0, 32.0
-  )
+  ref = tf_dynamic_loss_scale([True] * 4 + [False] * 5, 8.0, 1, 2.0, 2.0, 32.0)
   assert scales == [float(s) for s, _, _ in ref]
 
 
@@ -205,30 +203,29 @@ def test_dynamic_counter_resets_even_when_increase_is_refused():
 
 
 @pytest.mark.parametrize(
-    "kwargs, name, error",
-    [
-        (dict(increment_period=0), "increment_period", ValueError),
-        (dict(increment_period=1.0), "increment_period", TypeError),
-        (dict(increment_period=True), "increment_period", TypeError),
-        (dict(increment_period=2**31), "increment_period", ValueError),
-        (dict(multiplier=1.0), "multiplier", ValueError),
-        (dict(multiplier=0.5), "multiplier", ValueError),
-        (dict(multiplier=float("nan")), "multiplier", ValueError),
-        (dict(multiplier=float("inf")), "multiplier", ValueError),
-        (dict(multiplier="2"), "multiplier", TypeError),
-        (dict(initial_loss_scale=0.5), "initial_loss_scale", ValueError),
-        (dict(initial_loss_scale=float("inf")), "initial_loss_scale",
-         ValueError),
-        (dict(initial_loss_scale=None), "initial_loss_scale", TypeError),
-        (dict(initial_loss_scale=[2.0]), "initial_loss_scale", TypeError),
-        (dict(min_loss_scale=0.0), "min_loss_scale", ValueError),
-        (dict(min_loss_scale=-1.0), "min_loss_scale", ValueError),
-        (dict(min_loss_scale=2.0**16), "initial_loss_scale", ValueError),
-        (dict(max_loss_scale=2.0**14), "max_loss_scale", ValueError),
-        (dict(max_loss_scale=float("nan")), "max_loss_scale", ValueError),
-        (dict(max_loss_scale=1e39), "max_loss_scale", ValueError),
-        (dict(max_loss_scale=False), "max_loss_scale", TypeError),
-    ],
+  "kwargs, name, error",
+  [
+    (dict(increment_period=0), "increment_period", ValueError),
+    (dict(increment_period=1.0), "increment_period", TypeError),
+    (dict(increment_period=True), "increment_period", TypeError),
+    (dict(increment_period=2**31), "increment_period", ValueError),
+    (dict(multiplier=1.0), "multiplier", ValueError),
+    (dict(multiplier=0.5), "multiplier", ValueError),
+    (dict(multiplier=float("nan")), "multiplier", ValueError),
+    (dict(multiplier=float("inf")), "multiplier", ValueError),
+    (dict(multiplier="2"), "multiplier", TypeError),
+    (dict(initial_loss_scale=0.5), "initial_loss_scale", ValueError),
+    (dict(initial_loss_scale=float("inf")), "initial_loss_scale", ValueError),
+    (dict(initial_loss_scale=None), "initial_loss_scale", TypeError),
+    (dict(initial_loss_scale=[2.0]), "initial_loss_scale", TypeError),
+    (dict(min_loss_scale=0.0), "min_loss_scale", ValueError),
+    (dict(min_loss_scale=-1.0), "min_loss_scale", ValueError),
+    (dict(min_loss_scale=2.0**16), "initial_loss_scale", ValueError),
+    (dict(max_loss_scale=2.0**14), "max_loss_scale", ValueError),
+    (dict(max_loss_scale=float("nan")), "max_loss_scale", ValueError),
+    (dict(max_loss_scale=1e39), "max_loss_scale", ValueError),
+    (dict(max_loss_scale=False), "max_loss_scale", TypeError),
+  ],
 )
 def test_dynamic_rejects_bad_hyperparameters(kwargs, name, error):
   with pytest.raises(error, match=name):
@@ -257,12 +254,12 @@ def test_noop_is_identity_and_always_applies():
 
 
 @pytest.mark.parametrize(
-    "dtype", [jnp.float16, jnp.bfloat16, jnp.float32, jnp.complex64]
+  "dtype", [jnp.float16, jnp.bfloat16, jnp.float32, jnp.complex64]
 )
 @pytest.mark.parametrize(
-    "loss_scale",
-    [ols.FixedLossScale(1024), ols.DynamicLossScale(), ols.NoOpLossScale()],
-    ids=["fixed", "dynamic", "noop"],
+  "loss_scale",
+  [ols.FixedLossScale(1024), ols.DynamicLossScale(), ols.NoOpLossScale()],
+  ids=["fixed", "dynamic", "noop"],
 )
 def test_scale_and_unscale_keep_dtypes_and_none(dtype, loss_scale):
   tree = {"w": jnp.arange(4).astype(dtype) / jnp.asarray(8, dtype), "n": None}
@@ -278,7 +275,7 @@ def test_unscale_float16_does_not_overflow_for_scales_beyond_float16():
   loss_scale = ols.FixedLossScale(2.0**20)
   grads = jnp.array([2.0**10, 2.0**-4], jnp.float16)
   np.testing.assert_array_equal(
-      loss_scale.unscale(grads), jnp.array([2.0**-10, 2.0**-24], jnp.float16)
+    loss_scale.unscale(grads), jnp.array([2.0**-10, 2.0**-24], jnp.float16)
   )
 
 
@@ -291,7 +288,7 @@ def test_unscale_is_the_same_with_and_without_jit():
   loss_scale = ols.FixedLossScale(3.0)
   x = jax.random.normal(jax.random.PRNGKey(0), (1000,))
   np.testing.assert_array_equal(
-      loss_scale.unscale(x), jax.jit(loss_scale.unscale)(x)
+    loss_scale.unscale(x), jax.jit(loss_scale.unscale)(x)
   )
   np.testing.assert_allclose(loss_scale.unscale(x), x / 3.0, rtol=2e-7)
 
@@ -316,18 +313,15 @@ def test_float0_leaves_pass_through():
 # --- pytree behaviour -------------------------------------------------------
 
 ALL = [
-    ols.FixedLossScale(7.0),
-    ols.DynamicLossScale(
-        3.0, 5, 1.5, min_loss_scale=0.5, max_loss_scale=1e6
-    ),
-    ols.NoOpLossScale(),
+  ols.FixedLossScale(7.0),
+  ols.DynamicLossScale(3.0, 5, 1.5, min_loss_scale=0.5, max_loss_scale=1e6),
+  ols.NoOpLossScale(),
 ]
 
 
 def _fields(loss_scale):
   return {
-      f.name: getattr(loss_scale, f.name)
-      for f in dataclasses.fields(loss_scale)
+    f.name: getattr(loss_scale, f.name) for f in dataclasses.fields(loss_scale)
   }
 
 
@@ -352,8 +346,8 @@ def test_every_field_survives_jit_scan_cond_and_unflatten(loss_scale):
   _assert_same(jax.tree.map(lambda x: x[0], scanned), loss_scale)
   _assert_same(lax.cond(True, lambda x: x, lambda x: x, loss_scale), loss_scale)
   _assert_same(
-      jax.pmap(lambda x: x)(jax.tree.map(lambda x: x[None], loss_scale)),
-      jax.tree.map(lambda x: x[None], loss_scale),
+    jax.pmap(lambda x: x)(jax.tree.map(lambda x: x[None], loss_scale)),
+    jax.tree.map(lambda x: x[None], loss_scale),
   ) if jax.tree.leaves(loss_scale) else None
 
 
@@ -418,9 +412,9 @@ def test_restore_from_saved_arrays():
   for _ in range(3):
     loss_scale, _ = loss_scale.update(_grads(True))
   restored = ols.DynamicLossScale(
-      **loss_scale.get_config(),
-      current_loss_scale=np.asarray(loss_scale.current_loss_scale),
-      num_good_steps=np.asarray(loss_scale.num_good_steps),
+    **loss_scale.get_config(),
+    current_loss_scale=np.asarray(loss_scale.current_loss_scale),
+    num_good_steps=np.asarray(loss_scale.num_good_steps),
   )
   assert int(restored.num_good_steps) == 3
   assert math.isclose(float(restored()), 64.0)

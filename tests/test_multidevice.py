@@ -17,11 +17,20 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _run(*checks: str, timeout: int = 240) -> None:
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+  env = dict(
+    os.environ,
+    XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    PYTHONPATH=str(ROOT),
+    JAX_PLATFORMS="cpu",
+  )
   result = subprocess.run(
-      [sys.executable, str(ROOT / "tests" / "multidevice_checks.py"), *checks],
-      env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    [sys.executable, str(ROOT / "tests" / "multidevice_checks.py"), *checks],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+    cwd=ROOT,
+  )
   assert result.returncode == 0, result.stdout + result.stderr
   for check in checks:
     assert f"ok {check}" in result.stdout
@@ -43,11 +52,20 @@ def test_two_processes_agree_on_a_skip(tmp_path):
   env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)
   procs = [
-      subprocess.Popen(
-          [sys.executable, str(ROOT / "tests" / "multiprocess_worker.py"),
-           str(port), str(rank), str(tmp_path / f"out{rank}.npy")],
-          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-      for rank in range(2)
+    subprocess.Popen(
+      [
+        sys.executable,
+        str(ROOT / "tests" / "multiprocess_worker.py"),
+        str(port),
+        str(rank),
+        str(tmp_path / f"out{rank}.npy"),
+      ],
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for rank in range(2)
   ]
   try:
     outputs = [p.communicate(timeout=110)[0] for p in procs]

@@ -10,7 +10,7 @@ import optax_lossscale as ols
 
 
 @pytest.mark.parametrize(
-    "dtype", [jnp.float16, jnp.bfloat16, jnp.float32, jnp.complex64]
+  "dtype", [jnp.float16, jnp.bfloat16, jnp.float32, jnp.complex64]
 )
 @pytest.mark.parametrize("bad", [jnp.nan, jnp.inf, -jnp.inf])
 def test_all_finite_detects_one_bad_element(dtype, bad):
@@ -41,7 +41,7 @@ def test_empty_trees_are_finite(tree):
 
 def test_integer_and_float0_leaves_are_ignored():
   grads = jax.grad(lambda x, n: jnp.sum(x), argnums=(0, 1), allow_int=True)(
-      jnp.ones(2), 3
+    jnp.ones(2), 3
   )
   assert bool(ols.all_finite([grads, jnp.arange(3)]))
 

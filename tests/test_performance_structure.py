@@ -12,8 +12,14 @@ import optax_lossscale as ols
 
 pytestmark = pytest.mark.usefixtures("standard_promotion")
 
-REDUCTIONS = {lax.reduce_max_p, lax.reduce_min_p, lax.reduce_sum_p,
-              lax.reduce_and_p, lax.reduce_or_p, lax.reduce_prod_p}
+REDUCTIONS = {
+  lax.reduce_max_p,
+  lax.reduce_min_p,
+  lax.reduce_sum_p,
+  lax.reduce_and_p,
+  lax.reduce_or_p,
+  lax.reduce_prod_p,
+}
 
 
 def _tree(n):
@@ -25,20 +31,29 @@ def _update_jaxpr(tx, n):
   return jax.make_jaxpr(tx.update)(params, tx.init(params), params).jaxpr
 
 
-@pytest.mark.parametrize("shape", [(10, 10), (300, 300)], ids=["small", "large"])
+@pytest.mark.parametrize(
+  "shape", [(10, 10), (300, 300)], ids=["small", "large"]
+)
 @pytest.mark.parametrize("n", [3, 50])
 def test_one_reduction_pass_outside_the_inner_update(n, shape):
   tx = ols.loss_scale_optimizer(optax.adam(1e-3), ols.DynamicLossScale())
   params = {f"p{i}": jnp.ones(shape) for i in range(n)}
   jaxpr = jax.make_jaxpr(tx.update)(params, tx.init(params), params).jaxpr
   reduced = sum(
-      e.invars[0].aval.size for e in jaxpr.eqns
-      if e.primitive in REDUCTIONS and e.invars[0].aval.size > n
+    e.invars[0].aval.size
+    for e in jaxpr.eqns
+    if e.primitive in REDUCTIONS and e.invars[0].aval.size > n
   )
   # Every gradient element is reduced exactly once: one read of the gradients.
   assert reduced == n * shape[0] * shape[1]
-  big = [e for e in jaxpr.eqns if e.primitive is not lax.cond_p and any(
-      getattr(v.aval, "size", 0) >= shape[0] * shape[1] for v in e.outvars)]
+  big = [
+    e
+    for e in jaxpr.eqns
+    if e.primitive is not lax.cond_p
+    and any(
+      getattr(v.aval, "size", 0) >= shape[0] * shape[1] for v in e.outvars
+    )
+  ]
   # Outside the cond: only `g * 0` (and the concatenation of small leaves).
   # The unscaling is inside the cond, fused into the inner update.
   assert {e.primitive.name for e in big} <= {"mul", "concatenate", "reshape"}
@@ -46,8 +61,9 @@ def test_one_reduction_pass_outside_the_inner_update(n, shape):
 
 
 def test_fixed_scale_without_skipping_reads_nothing_extra():
-  tx = ols.loss_scale_optimizer(optax.sgd(1e-3), ols.FixedLossScale(8),
-                                skip_nonfinite=False)
+  tx = ols.loss_scale_optimizer(
+    optax.sgd(1e-3), ols.FixedLossScale(8), skip_nonfinite=False
+  )
   jaxpr = _update_jaxpr(tx, 5)
   assert not any(e.primitive in REDUCTIONS for e in jaxpr.eqns)
 
@@ -59,11 +75,14 @@ def _hlo_ops(tx, n):
 
 
 @pytest.mark.parametrize(
-    "make",
-    [lambda: ols.loss_scale_optimizer(optax.adam(1e-3), ols.DynamicLossScale()),
-     lambda: optax.chain(ols.unscale_gradients(ols.DynamicLossScale()),
-                         optax.adam(1e-3))],
-    ids=["loss_scale_optimizer", "unscale_gradients"],
+  "make",
+  [
+    lambda: ols.loss_scale_optimizer(optax.adam(1e-3), ols.DynamicLossScale()),
+    lambda: optax.chain(
+      ols.unscale_gradients(ols.DynamicLossScale()), optax.adam(1e-3)
+    ),
+  ],
+  ids=["loss_scale_optimizer", "unscale_gradients"],
 )
 def test_program_size_grows_linearly_with_leaves(make):
   tx = make()

@@ -24,10 +24,10 @@ F32_MAX = float(np.finfo(np.float32).max)
 
 @st.composite
 def dynamic_configs(draw):
-  multiplier = draw(st.sampled_from([1.5, 2.0, 3.0, 10.0, 1.1, 4.0])
-                    | st.floats(1.01, 16.0))
-  minimum = draw(st.sampled_from([1.0, 0.5, 2.0**-10])
-                 | st.floats(1e-6, 1e3))
+  multiplier = draw(
+    st.sampled_from([1.5, 2.0, 3.0, 10.0, 1.1, 4.0]) | st.floats(1.01, 16.0)
+  )
+  minimum = draw(st.sampled_from([1.0, 0.5, 2.0**-10]) | st.floats(1e-6, 1e3))
   initial = draw(st.floats(minimum, 1e30))
   maximum = draw(st.none() | st.floats(initial, F32_MAX))
   period = draw(st.integers(1, 6) | st.integers(1, 2**31 - 1))
@@ -37,11 +37,11 @@ def dynamic_configs(draw):
   if maximum is not None:
     maximum = max(as32(maximum), initial)
   return dict(
-      initial_loss_scale=initial,
-      increment_period=period,
-      multiplier=multiplier,
-      min_loss_scale=minimum,
-      max_loss_scale=maximum,
+    initial_loss_scale=initial,
+    increment_period=period,
+    multiplier=multiplier,
+    min_loss_scale=minimum,
+    max_loss_scale=maximum,
   )
 
 
@@ -65,8 +65,9 @@ def _scan(loss_scale, steps):
   return lax.scan(body, loss_scale, steps)
 
 
-@settings(max_examples=60, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow])
+@settings(
+  max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(config=dynamic_configs(), steps=st.lists(st.booleans(), max_size=60))
 def test_dynamic_matches_tensorflow_model_bit_for_bit(config, steps):
   ref = tf_dynamic_loss_scale(steps, **config)
@@ -94,13 +95,19 @@ def test_dynamic_matches_tensorflow_model_bit_for_bit(config, steps):
 @pytest.mark.usefixtures("standard_promotion")
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
 def test_injected_faults_lose_nothing(dtype):
-  rng = np.random.RandomState({"float16": 0, "bfloat16": 1, "float32": 2}[
-      jnp.dtype(dtype).name])
-  shapes = [tuple(rng.randint(1, 5, size=rng.randint(0, 3))) for _ in range(100)]
-  params = {f"p{i}": jnp.asarray(rng.randn(*s), jnp.float32)
-            for i, s in enumerate(shapes)}
-  tx = ols.loss_scale_optimizer(optax.adamw(1e-2), ols.DynamicLossScale(
-      2.0**10, 3))
+  rng = np.random.RandomState(
+    {"float16": 0, "bfloat16": 1, "float32": 2}[jnp.dtype(dtype).name]
+  )
+  shapes = [
+    tuple(rng.randint(1, 5, size=rng.randint(0, 3))) for _ in range(100)
+  ]
+  params = {
+    f"p{i}": jnp.asarray(rng.randn(*s), jnp.float32)
+    for i, s in enumerate(shapes)
+  }
+  tx = ols.loss_scale_optimizer(
+    optax.adamw(1e-2), ols.DynamicLossScale(2.0**10, 3)
+  )
   state = tx.init(params)
 
   @jax.jit
@@ -109,9 +116,11 @@ def test_injected_faults_lose_nothing(dtype):
     return optax.apply_updates(params, updates), state
 
   skipped = 0
-  for t in range(40):
-    grads = {k: jnp.asarray(rng.randn(*v.shape) * 2.0**10, dtype)
-             for k, v in params.items()}
+  for _ in range(40):
+    grads = {
+      k: jnp.asarray(rng.randn(*v.shape) * 2.0**10, dtype)
+      for k, v in params.items()
+    }
     faulty = rng.rand() < 0.4
     if faulty:
       key = f"p{rng.randint(100)}"
@@ -124,10 +133,13 @@ def test_injected_faults_lose_nothing(dtype):
       chex.assert_trees_all_equal(new_params, params)
       chex.assert_trees_all_equal(new_state.inner_state, state.inner_state)
       assert float(new_state.loss_scale()) == max(
-          float(state.loss_scale()) / 2, 1.0)
+        float(state.loss_scale()) / 2, 1.0
+      )
     else:
-      assert int(new_state.inner_state[0].count) == int(
-          state.inner_state[0].count) + 1
+      assert (
+        int(new_state.inner_state[0].count)
+        == int(state.inner_state[0].count) + 1
+      )
     assert bool(new_state.should_apply) == (not faulty)
     assert int(new_state.skipped_steps) == skipped
     params, state = new_params, new_state
@@ -170,7 +182,8 @@ def _soak_run(state, flags, tx, params):
     params, state = carry
     scale = state.loss_scale()
     grads = jax.tree.map(
-        lambda p: jnp.where(finite, scale, jnp.inf) * jnp.ones_like(p), params)
+      lambda p: jnp.where(finite, scale, jnp.inf) * jnp.ones_like(p), params
+    )
     updates, state = tx.update(grads, state, params)
     params = optax.apply_updates(params, updates)
     return (params, state), state.loss_scale()
@@ -184,21 +197,24 @@ def test_soak_100k_steps_stays_bounded_and_exact():
   loss_scale = ols.DynamicLossScale(2.0**15, 50, 2.0, max_loss_scale=2.0**24)
   tx = ols.loss_scale_optimizer(optax.sgd(1e-6), loss_scale)
   params = {"w": jnp.zeros((3,)), "b": jnp.zeros(())}
-  (params, state), scales = jax.jit(
-      lambda s, f: _soak_run(s, f, tx, params))(tx.init(params), flags)
+  (params, state), scales = jax.jit(lambda s, f: _soak_run(s, f, tx, params))(
+    tx.init(params), flags
+  )
   assert int(state.skipped_steps) == n - int(jnp.sum(flags))
   assert float(jnp.min(scales)) >= 1.0
   assert float(jnp.max(scales)) <= 2.0**24
   assert bool(jnp.all(jnp.isfinite(scales)))
   # Every applied step moved the parameters by exactly the unscaled gradient.
-  np.testing.assert_allclose(params["w"], -1e-6 * float(jnp.sum(flags)),
-                             rtol=1e-2)
+  np.testing.assert_allclose(
+    params["w"], -1e-6 * float(jnp.sum(flags)), rtol=1e-2
+  )
 
 
 def test_resume_from_host_numpy_is_bit_identical():
   flags = jax.random.bernoulli(jax.random.PRNGKey(1), 0.8, (400,))
-  tx = ols.loss_scale_optimizer(optax.sgd(1e-3, momentum=0.9),
-                                ols.DynamicLossScale(2.0**8, 7, 3.0))
+  tx = ols.loss_scale_optimizer(
+    optax.sgd(1e-3, momentum=0.9), ols.DynamicLossScale(2.0**8, 7, 3.0)
+  )
   params = {"w": jnp.ones((5,))}
   run = jax.jit(lambda s, f: _soak_run(s, f, tx, params))
   (p_full, s_full), _ = run(tx.init(params), flags)
@@ -240,7 +256,8 @@ def test_empty_and_none_trees_are_finite_no_ops(tree):
 def test_float0_gradients_pass_through_the_optimizer():
   params = (jnp.ones(2), jnp.array(3))
   grads = jax.grad(lambda x, n: jnp.sum(x), argnums=(0, 1), allow_int=True)(
-      *params)
+    *params
+  )
   tx = ols.loss_scale_optimizer(optax.identity(), ols.FixedLossScale(2))
   updates, state = tx.update(grads, tx.init(params), params)
   assert updates[1].dtype == jax.dtypes.float0
@@ -248,13 +265,13 @@ def test_float0_gradients_pass_through_the_optimizer():
 
 
 @pytest.mark.parametrize(
-    "call",
-    [
-        lambda: ols.all_finite(jnp.ones(2), axis_name=3.5j),
-        lambda: ols.DynamicLossScale(2.0, 1, 2.0, min_loss_scale=jnp.nan),
-        lambda: ols.FixedLossScale(jnp.array([1.0, 2.0])),
-        lambda: ols.FixedLossScale("inf"),
-    ],
+  "call",
+  [
+    lambda: ols.all_finite(jnp.ones(2), axis_name=3.5j),
+    lambda: ols.DynamicLossScale(2.0, 1, 2.0, min_loss_scale=jnp.nan),
+    lambda: ols.FixedLossScale(jnp.array([1.0, 2.0])),
+    lambda: ols.FixedLossScale("inf"),
+  ],
 )
 def test_bad_input_raises_value_or_type_error(call):
   with pytest.raises((ValueError, TypeError, NameError)):
@@ -264,24 +281,49 @@ def test_bad_input_raises_value_or_type_error(call):
 # --- deserialize fuzzing ------------------------------------------------------------
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
-    lambda children: st.lists(children, max_size=3)
-    | st.dictionaries(st.text(max_size=8), children, max_size=3),
-    max_leaves=10,
+  st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+  lambda children: (
+    st.lists(children, max_size=3)
+    | st.dictionaries(st.text(max_size=8), children, max_size=3)
+  ),
+  max_leaves=10,
 )
 config_dicts = st.fixed_dictionaries(
-    {"class_name": st.sampled_from(
-        ["FixedLossScale", "DynamicLossScale", "NoOpLossScale",
-         "LossScaleOptimizer", "os.system", "builtins.eval", "__import__"])
-     | st.text(max_size=12),
-     "config": st.dictionaries(
-         st.sampled_from(["loss_scale_value", "initial_loss_scale",
-                          "increment_period", "multiplier", "min_loss_scale",
-                          "max_loss_scale", "dynamic", "initial_scale",
-                          "dynamic_growth_steps", "loss_scale"])
-         | st.text(max_size=8), json_values, max_size=4)
-     | json_values},
-    optional={"module": json_values, "registered_name": json_values},
+  {
+    "class_name": st.sampled_from(
+      [
+        "FixedLossScale",
+        "DynamicLossScale",
+        "NoOpLossScale",
+        "LossScaleOptimizer",
+        "os.system",
+        "builtins.eval",
+        "__import__",
+      ]
+    )
+    | st.text(max_size=12),
+    "config": st.dictionaries(
+      st.sampled_from(
+        [
+          "loss_scale_value",
+          "initial_loss_scale",
+          "increment_period",
+          "multiplier",
+          "min_loss_scale",
+          "max_loss_scale",
+          "dynamic",
+          "initial_scale",
+          "dynamic_growth_steps",
+          "loss_scale",
+        ]
+      )
+      | st.text(max_size=8),
+      json_values,
+      max_size=4,
+    )
+    | json_values,
+  },
+  optional={"module": json_values, "registered_name": json_values},
 )
 
 

@@ -43,14 +43,14 @@ def test_get_rejects_anything_else(identifier):
 
 
 @pytest.mark.parametrize(
-    "loss_scale",
-    [
-        ols.FixedLossScale(123),
-        ols.DynamicLossScale(),
-        ols.DynamicLossScale(1, 2, 3, min_loss_scale=0.5, max_loss_scale=1e9),
-        ols.NoOpLossScale(),
-    ],
-    ids=["fixed", "dynamic", "dynamic-custom", "noop"],
+  "loss_scale",
+  [
+    ols.FixedLossScale(123),
+    ols.DynamicLossScale(),
+    ols.DynamicLossScale(1, 2, 3, min_loss_scale=0.5, max_loss_scale=1e9),
+    ols.NoOpLossScale(),
+  ],
+  ids=["fixed", "dynamic", "dynamic-custom", "noop"],
 )
 def test_serialization_round_trip_through_json(loss_scale):
   config = ols.serialize(loss_scale)
@@ -65,11 +65,11 @@ def test_from_config_round_trip():
   loss_scale = ols.DynamicLossScale(1, 2, 3)
   restored = ols.DynamicLossScale.from_config(loss_scale.get_config())
   assert restored.get_config() == {
-      "initial_loss_scale": 1.0,
-      "increment_period": 2,
-      "multiplier": 3.0,
-      "min_loss_scale": 1.0,
-      "max_loss_scale": None,
+    "initial_loss_scale": 1.0,
+    "increment_period": 2,
+    "multiplier": 3.0,
+    "min_loss_scale": 1.0,
+    "max_loss_scale": None,
   }
   fixed = ols.FixedLossScale.from_config({"loss_scale_value": 5.0})
   assert fixed.loss_scale_value == 5.0
@@ -84,39 +84,51 @@ def test_serialize_restarts_from_the_initial_scale_as_tensorflow_does():
 # Configs as TensorFlow's `tf.keras.mixed_precision.experimental` and Keras'
 # `serialize_keras_object` wrote them.
 TF_DYNAMIC = {
-    "class_name": "DynamicLossScale",
-    "config": {
-        "initial_loss_scale": 32768.0,
-        "increment_period": 2000,
-        "multiplier": 2.0,
-    },
+  "class_name": "DynamicLossScale",
+  "config": {
+    "initial_loss_scale": 32768.0,
+    "increment_period": 2000,
+    "multiplier": 2.0,
+  },
 }
-TF_FIXED = {"class_name": "FixedLossScale", "config": {"loss_scale_value": 128.0}}
+TF_FIXED = {
+  "class_name": "FixedLossScale",
+  "config": {"loss_scale_value": 128.0},
+}
 KERAS3_DYNAMIC = {
-    "module": "keras.mixed_precision",
-    "class_name": "DynamicLossScale",
-    "config": {"initial_loss_scale": 1024.0, "increment_period": 100,
-               "multiplier": 2.0},
-    "registered_name": None,
+  "module": "keras.mixed_precision",
+  "class_name": "DynamicLossScale",
+  "config": {
+    "initial_loss_scale": 1024.0,
+    "increment_period": 100,
+    "multiplier": 2.0,
+  },
+  "registered_name": None,
 }
 KERAS2_OPTIMIZER = {
-    "class_name": "LossScaleOptimizer",
-    "config": {
-        "inner_optimizer": {"class_name": "SGD", "config": {"lr": 0.1}},
-        "dynamic": True,
-        "initial_scale": 4096.0,
-        "dynamic_growth_steps": 500,
-    },
+  "class_name": "LossScaleOptimizer",
+  "config": {
+    "inner_optimizer": {"class_name": "SGD", "config": {"lr": 0.1}},
+    "dynamic": True,
+    "initial_scale": 4096.0,
+    "dynamic_growth_steps": 500,
+  },
 }
 KERAS2_FIXED_OPTIMIZER = {
-    "class_name": "LossScaleOptimizer",
-    "config": {"inner_optimizer": {}, "dynamic": False, "initial_scale": 64.0,
-               "dynamic_growth_steps": None},
+  "class_name": "LossScaleOptimizer",
+  "config": {
+    "inner_optimizer": {},
+    "dynamic": False,
+    "initial_scale": 64.0,
+    "dynamic_growth_steps": None,
+  },
 }
 TF23_OPTIMIZER = {
-    "class_name": "LossScaleOptimizer",
-    "config": {"optimizer": {"class_name": "Adam", "config": {}},
-               "loss_scale": TF_DYNAMIC},
+  "class_name": "LossScaleOptimizer",
+  "config": {
+    "optimizer": {"class_name": "Adam", "config": {}},
+    "loss_scale": TF_DYNAMIC,
+  },
 }
 
 
@@ -140,28 +152,41 @@ def test_deserialize_keras_configs_without_importing_their_module():
 
 
 @pytest.mark.parametrize(
-    "config, error",
-    [
-        ({"class_name": "DynamicLossScale"}, ValueError),
-        ({"config": {}}, ValueError),
-        ({"class_name": "FixedLossScale", "config": {}, "extra": 1}, ValueError),
-        ({"class_name": "os.system", "config": {}}, ValueError),
-        ({"class_name": "LossScale", "config": {}}, ValueError),
-        ({"class_name": 3, "config": {}}, ValueError),
-        ({"class_name": "FixedLossScale", "config": [1]}, ValueError),
-        ({"class_name": "FixedLossScale", "config": {"loss_scale_value": 0.5}},
-         ValueError),
-        ({"class_name": "FixedLossScale", "config": {"loss_scale_value": "1"}},
-         TypeError),
-        ({"class_name": "FixedLossScale", "config": {"value": 2.0}},
-         ValueError),
-        ({"class_name": "DynamicLossScale",
-          "config": {"increment_period": 10**400}}, ValueError),
-        ({"class_name": "DynamicLossScale",
-          "config": {"initial_loss_scale": 10**400}}, ValueError),
-        ("FixedLossScale", TypeError),
-        (None, TypeError),
-    ],
+  "config, error",
+  [
+    ({"class_name": "DynamicLossScale"}, ValueError),
+    ({"config": {}}, ValueError),
+    ({"class_name": "FixedLossScale", "config": {}, "extra": 1}, ValueError),
+    ({"class_name": "os.system", "config": {}}, ValueError),
+    ({"class_name": "LossScale", "config": {}}, ValueError),
+    ({"class_name": 3, "config": {}}, ValueError),
+    ({"class_name": "FixedLossScale", "config": [1]}, ValueError),
+    (
+      {"class_name": "FixedLossScale", "config": {"loss_scale_value": 0.5}},
+      ValueError,
+    ),
+    (
+      {"class_name": "FixedLossScale", "config": {"loss_scale_value": "1"}},
+      TypeError,
+    ),
+    ({"class_name": "FixedLossScale", "config": {"value": 2.0}}, ValueError),
+    (
+      {
+        "class_name": "DynamicLossScale",
+        "config": {"increment_period": 10**400},
+      },
+      ValueError,
+    ),
+    (
+      {
+        "class_name": "DynamicLossScale",
+        "config": {"initial_loss_scale": 10**400},
+      },
+      ValueError,
+    ),
+    ("FixedLossScale", TypeError),
+    (None, TypeError),
+  ],
 )
 def test_deserialize_rejects_malformed_configs(config, error):
   with pytest.raises(error):

@@ -56,7 +56,7 @@ def test_tf_nan_step_leaves_variables_and_halves_scale():
 
 def test_tf_momentum_dynamic_scale():
   tx = ols.loss_scale_optimizer(
-      optax.sgd(1.0, momentum=1.0), ols.DynamicLossScale(2, 1, 4)
+    optax.sgd(1.0, momentum=1.0), ols.DynamicLossScale(2, 1, 4)
   )
   params = jnp.array([1.0, 2.0])
   state = tx.init(params)
@@ -72,8 +72,8 @@ def test_tf_momentum_dynamic_scale():
 
 def _tree(dtype=jnp.float32):
   return {
-      "w": jnp.linspace(-1, 1, 12).reshape(3, 4).astype(dtype),
-      "b": jnp.zeros((4,), dtype),
+    "w": jnp.linspace(-1, 1, 12).reshape(3, 4).astype(dtype),
+    "b": jnp.zeros((4,), dtype),
   }
 
 
@@ -100,8 +100,11 @@ def test_counters_count_skips_and_reset_consecutive_on_apply():
   pattern = [False, False, True, False, True, True, False, False, False]
   for finite in pattern:
     value = 1.0 if finite else jnp.nan
-    _, state = update(jax.tree.map(lambda p: jnp.full_like(p, value), params),
-                      state, params)
+    _, state = update(
+      jax.tree.map(lambda p, v=value: jnp.full_like(p, v), params),
+      state,
+      params,
+    )
   assert state.skipped_steps.dtype == jnp.int32
   assert int(state.skipped_steps) == pattern.count(False)
   assert int(state.consecutive_skipped_steps) == 3
@@ -115,7 +118,7 @@ def test_fixed_scale_skips_nonfinite_by_default_but_not_when_asked():
   assert not bool(state.should_apply)
   np.testing.assert_array_equal(updates["w"], [0.0, 0.0])
   tf_exact = ols.loss_scale_optimizer(
-      optax.sgd(1.0), ols.FixedLossScale(2), skip_nonfinite=False
+    optax.sgd(1.0), ols.FixedLossScale(2), skip_nonfinite=False
   )
   updates, state = tf_exact.update(grads, tf_exact.init(params), params)
   assert bool(state.should_apply) and bool(jnp.isnan(updates["w"][0]))
@@ -130,18 +133,21 @@ def test_unscaled_overflow_is_caught_when_scale_is_below_one():
 
 
 def test_unscale_gradients_reports_and_does_not_skip():
-  tx = optax.chain(ols.unscale_gradients(ols.DynamicLossScale(4.0)),
-                   optax.sgd(1.0))
+  tx = optax.chain(
+    ols.unscale_gradients(ols.DynamicLossScale(4.0)), optax.sgd(1.0)
+  )
   params = {"w": jnp.ones(2), "n": None}
   state = tx.init(params)
-  updates, state = tx.update({"w": jnp.array([8.0, 4.0]), "n": None}, state,
-                             params)
+  updates, state = tx.update(
+    {"w": jnp.array([8.0, 4.0]), "n": None}, state, params
+  )
   assert updates["n"] is None
   np.testing.assert_array_equal(updates["w"], [-2.0, -1.0])
   assert isinstance(state[0], ols.UnscaleGradientsState)
   assert bool(state[0].should_apply)
-  updates, state = tx.update({"w": jnp.array([jnp.inf, 4.0]), "n": None},
-                             state, params)
+  updates, state = tx.update(
+    {"w": jnp.array([jnp.inf, 4.0]), "n": None}, state, params
+  )
   assert not bool(state[0].should_apply)
   assert bool(jnp.isinf(updates["w"][0]))  # it reports; it does not skip
   assert float(ols.get_loss_scale(state)()) == 2.0
@@ -150,11 +156,13 @@ def test_unscale_gradients_reports_and_does_not_skip():
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
 def test_gradients_keep_their_dtype(dtype):
   params = _tree(dtype)
-  grads = jax.tree.map(lambda p: jnp.ones_like(p) * jnp.asarray(64, dtype),
-                       params)
+  grads = jax.tree.map(
+    lambda p: jnp.ones_like(p) * jnp.asarray(64, dtype), params
+  )
   loss_scale = ols.FixedLossScale(64)
   unscaled, _ = ols.unscale_gradients(loss_scale).update(
-      grads, ols.unscale_gradients(loss_scale).init(params))
+    grads, ols.unscale_gradients(loss_scale).init(params)
+  )
   chex.assert_trees_all_equal_dtypes(unscaled, params)
   chex.assert_trees_all_equal(unscaled, jax.tree.map(jnp.ones_like, params))
   tx = ols.loss_scale_optimizer(optax.sgd(1.0), loss_scale)
@@ -179,8 +187,8 @@ def test_multisteps_inside_drops_only_the_bad_micro_batch():
   # unscaled gradients; a non-finite micro-batch is dropped alone and never
   # reaches it.
   tx = ols.loss_scale_optimizer(
-      optax.MultiSteps(optax.sgd(1.0), every_k_schedule=2),
-      ols.DynamicLossScale(8.0, 100),
+    optax.MultiSteps(optax.sgd(1.0), every_k_schedule=2),
+    ols.DynamicLossScale(8.0, 100),
   )
   params = {"w": jnp.ones(2)}
   state = tx.init(params)
@@ -204,8 +212,8 @@ def test_multisteps_inside_drops_only_the_bad_micro_batch():
 def test_multisteps_scale_grows_per_window_and_is_constant_within_one():
   k = 3
   tx = ols.loss_scale_optimizer(
-      optax.MultiSteps(optax.sgd(0.1), every_k_schedule=k),
-      ols.DynamicLossScale(4.0, increment_period=1),
+    optax.MultiSteps(optax.sgd(0.1), every_k_schedule=k),
+    ols.DynamicLossScale(4.0, increment_period=1),
   )
   params = {"w": jnp.ones(2)}
   state = tx.init(params)
@@ -239,7 +247,8 @@ def test_schedule_does_not_advance_on_skipped_steps():
   # Two applied steps: the stored rate is the schedule's at count 1.
   assert int(state.inner_state.count) == 2
   assert float(state.inner_state.hyperparams["learning_rate"]) == float(
-      schedule(1))
+    schedule(1)
+  )
 
 
 def test_extra_args_reach_the_inner_transformation():
@@ -265,8 +274,9 @@ def _train_setup(n=8):
   params = {"w": jnp.zeros(4), "b": jnp.zeros(())}
 
   def loss_fn(p, x, y):
-    pred = (x.astype(jnp.float16) @ p["w"].astype(jnp.float16)
-            + p["b"].astype(jnp.float16))
+    pred = x.astype(jnp.float16) @ p["w"].astype(jnp.float16) + p["b"].astype(
+      jnp.float16
+    )
     return jnp.mean((pred.astype(jnp.float32) - y) ** 2)
 
   return params, x, y, loss_fn
@@ -274,7 +284,9 @@ def _train_setup(n=8):
 
 def test_train_step_under_jit_does_not_retrace_and_donates():
   params, x, y, loss_fn = _train_setup()
-  tx = ols.loss_scale_optimizer(optax.adam(0.05), ols.DynamicLossScale(2**15, 5))
+  tx = ols.loss_scale_optimizer(
+    optax.adam(0.05), ols.DynamicLossScale(2**15, 5)
+  )
 
   @jax.jit
   @chex.assert_max_traces(n=1)
@@ -299,7 +311,9 @@ def test_train_step_under_jit_does_not_retrace_and_donates():
 
 def test_state_keeps_shapes_and_dtypes_through_scan_and_cond():
   params, x, y, loss_fn = _train_setup()
-  tx = ols.loss_scale_optimizer(optax.adam(0.05), ols.DynamicLossScale(2**15, 5))
+  tx = ols.loss_scale_optimizer(
+    optax.adam(0.05), ols.DynamicLossScale(2**15, 5)
+  )
   state = tx.init(params)
 
   def body(carry, _):
@@ -309,7 +323,7 @@ def test_state_keeps_shapes_and_dtypes_through_scan_and_cond():
     return (optax.apply_updates(params, updates), state), state.should_apply
 
   (new_params, new_state), applied = jax.jit(
-      lambda c: lax.scan(body, c, None, length=300)
+    lambda c: lax.scan(body, c, None, length=300)
   )((params, state))
   chex.assert_trees_all_equal_shapes_and_dtypes(new_state, state)
   chex.assert_trees_all_equal_shapes_and_dtypes(new_params, params)
@@ -328,8 +342,9 @@ def test_optax_tree_helpers_on_the_state():
   doubled = optax.tree.map_params(tx.init, lambda p: p * 2, state)
   assert type(doubled) is ols.LossScaleOptimizerState
   assert float(doubled.loss_scale()) == 16.0  # not a parameter: untouched
-  chex.assert_trees_all_equal(doubled.inner_state[0].mu,
-                              jax.tree.map(jnp.zeros_like, params))
+  chex.assert_trees_all_equal(
+    doubled.inner_state[0].mu, jax.tree.map(jnp.zeros_like, params)
+  )
 
 
 def test_jaxpr_has_one_cond_and_no_select_over_arrays():
@@ -340,8 +355,9 @@ def test_jaxpr_has_one_cond_and_no_select_over_arrays():
   conds = [e for e in jaxpr.eqns if e.primitive is lax.cond_p]
   assert len(conds) == 1
   selects = [
-      e for e in jaxpr.eqns
-      if e.primitive is lax.select_n_p and e.outvars[0].aval.shape != ()
+    e
+    for e in jaxpr.eqns
+    if e.primitive is lax.select_n_p and e.outvars[0].aval.shape != ()
   ]
   assert selects == []
 
@@ -350,22 +366,29 @@ def test_jaxpr_has_one_cond_and_no_select_over_arrays():
 
 
 @pytest.mark.parametrize(
-    "make",
-    [
-        lambda ls: optax.chain(optax.clip(1.0), ols.loss_scale_optimizer(
-            optax.sgd(0.1), ls)),
-        lambda ls: optax.chain(ols.unscale_gradients(ls), optax.adam(0.1)),
-        lambda ls: optax.MultiSteps(ols.loss_scale_optimizer(
-            optax.adam(0.1), ls), 4),
-        lambda ls: optax.inject_hyperparams(
-            lambda learning_rate: optax.chain(
-                ols.unscale_gradients(ls), optax.sgd(learning_rate)))(0.1),
-        lambda ls: optax.multi_transform(
-            {"a": ols.loss_scale_optimizer(optax.sgd(0.1), ls),
-             "b": optax.set_to_zero()},
-            {"w": "a", "b": "b"}),
-    ],
-    ids=["chain", "unscale-chain", "multisteps", "inject", "multi_transform"],
+  "make",
+  [
+    lambda ls: optax.chain(
+      optax.clip(1.0), ols.loss_scale_optimizer(optax.sgd(0.1), ls)
+    ),
+    lambda ls: optax.chain(ols.unscale_gradients(ls), optax.adam(0.1)),
+    lambda ls: optax.MultiSteps(
+      ols.loss_scale_optimizer(optax.adam(0.1), ls), 4
+    ),
+    lambda ls: optax.inject_hyperparams(
+      lambda learning_rate: optax.chain(
+        ols.unscale_gradients(ls), optax.sgd(learning_rate)
+      )
+    )(0.1),
+    lambda ls: optax.multi_transform(
+      {
+        "a": ols.loss_scale_optimizer(optax.sgd(0.1), ls),
+        "b": optax.set_to_zero(),
+      },
+      {"w": "a", "b": "b"},
+    ),
+  ],
+  ids=["chain", "unscale-chain", "multisteps", "inject", "multi_transform"],
 )
 def test_get_loss_scale_finds_nested_states(make):
   loss_scale = ols.DynamicLossScale(64.0)
@@ -376,8 +399,10 @@ def test_get_loss_scale_finds_nested_states(make):
 def test_get_loss_scale_raises_on_none_or_many():
   with pytest.raises(ValueError, match="found 0"):
     ols.get_loss_scale(optax.adam(0.1).init(jnp.ones(1)))
-  two = optax.chain(ols.unscale_gradients(ols.FixedLossScale(2)),
-                    ols.unscale_gradients(ols.FixedLossScale(4)))
+  two = optax.chain(
+    ols.unscale_gradients(ols.FixedLossScale(2)),
+    ols.unscale_gradients(ols.FixedLossScale(4)),
+  )
   with pytest.raises(ValueError, match="found 2"):
     ols.get_loss_scale(two.init(jnp.ones(1)))
 
@@ -392,11 +417,15 @@ def test_scaled_value_and_grad_returns_unscaled_value_aux_and_scaled_grads():
 
   w, x = jnp.array([1.0, 2.0]), jnp.array([3.0, 4.0])
   (loss, aux), grads = ols.scaled_value_and_grad(loss_fn, has_aux=True)(
-      ols.FixedLossScale(8), w, x)
+    ols.FixedLossScale(8), w, x
+  )
   assert float(loss) == 73.0 and float(aux["norm"]) == 3.0
-  np.testing.assert_array_equal(grads, 8 * jax.grad(lambda w: loss_fn(w, x)[0])(w))
+  np.testing.assert_array_equal(
+    grads, 8 * jax.grad(lambda w: loss_fn(w, x)[0])(w)
+  )
   _, (gw, gx) = ols.scaled_value_and_grad(
-      lambda w, x: loss_fn(w, x)[0], argnums=(0, 1))(ols.FixedLossScale(2), w, x)
+    lambda w, x: loss_fn(w, x)[0], argnums=(0, 1)
+  )(ols.FixedLossScale(2), w, x)
   assert gw.shape == gx.shape == (2,)
 
 
@@ -453,8 +482,8 @@ def test_wrapper_is_clean_under_strict_promotion(dtype):
     grads = jax.tree.map(lambda p: jnp.ones_like(p), params)
     for loss_scale in [ols.DynamicLossScale(), ols.FixedLossScale(3.0)]:
       for tx in [
-          ols.loss_scale_optimizer(optax.sgd(0.5), loss_scale),
-          optax.chain(ols.unscale_gradients(loss_scale), optax.sgd(0.5)),
+        ols.loss_scale_optimizer(optax.sgd(0.5), loss_scale),
+        optax.chain(ols.unscale_gradients(loss_scale), optax.sgd(0.5)),
       ]:
         updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
         chex.assert_trees_all_equal_dtypes(updates, params)
@@ -463,8 +492,10 @@ def test_wrapper_is_clean_under_strict_promotion(dtype):
 def test_skips_a_nan_in_a_large_leaf():
   params = {"big": jnp.zeros((1_000_000,)), "small": jnp.zeros((3,))}
   tx = ols.loss_scale_optimizer(optax.sgd(1.0), ols.DynamicLossScale(8.0))
-  grads = {"big": jnp.ones((1_000_000,)).at[777_777].set(jnp.nan),
-           "small": jnp.ones((3,))}
+  grads = {
+    "big": jnp.ones((1_000_000,)).at[777_777].set(jnp.nan),
+    "small": jnp.ones((3,)),
+  }
   updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
   assert not bool(state.should_apply)
   assert not bool(jnp.any(updates["big"]))

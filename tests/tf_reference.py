@@ -14,12 +14,12 @@ import numpy as np
 
 
 def tf_dynamic_loss_scale(
-    finite_steps: Iterable[bool],
-    initial_loss_scale: float = 2.0**15,
-    increment_period: int = 2000,
-    multiplier: float = 2.0,
-    min_loss_scale: float = 1.0,
-    max_loss_scale: float | None = None,
+  finite_steps: Iterable[bool],
+  initial_loss_scale: float = 2.0**15,
+  increment_period: int = 2000,
+  multiplier: float = 2.0,
+  min_loss_scale: float = 1.0,
+  max_loss_scale: float | None = None,
 ) -> list[tuple[np.float32, int, bool]]:
   """Returns `(scale, num_good_steps, should_apply)` after each step."""
   scale = np.float32(initial_loss_scale)
@@ -33,7 +33,7 @@ def tf_dynamic_loss_scale(
         if good + 1 >= increment_period:
           raised = np.float32(scale * m)
           if np.isfinite(raised) and (
-              max_loss_scale is None or raised <= np.float32(max_loss_scale)
+            max_loss_scale is None or raised <= np.float32(max_loss_scale)
           ):
             scale = raised
           good = 0
