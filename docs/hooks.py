@@ -1,0 +1,23 @@
+"""MkDocs hook: every public name has a reference page."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+from mkdocs.exceptions import PluginError
+
+
+def on_config(config: Any) -> Any:
+  import optax_lossscale
+
+  docs = pathlib.Path(config["docs_dir"])
+  documented = set()
+  for page in (docs / "api").glob("*.md"):
+    for line in page.read_text().splitlines():
+      if line.startswith("::: optax_lossscale."):
+        documented.add(line.removeprefix("::: optax_lossscale.").strip())
+  missing = sorted(set(optax_lossscale.__all__) - {"__version__"} - documented)
+  if missing:
+    raise PluginError(f"No API reference page for {missing}: add docs/api/.")
+  return config
