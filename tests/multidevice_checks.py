@@ -68,6 +68,23 @@ def check_pmap():
   _, s1 = jax.pmap(plain.update)(_per_replica_grads(0, 3), s0, params)
   assert np.asarray(s1.should_apply).sum() == N - 1
 
+  # The other entry points agree across the axis too.
+  grads = _per_replica_grads(0, 6)
+  finite = jax.pmap(lambda g: ols.all_finite(g, axis_name="i"), "i")(grads)
+  assert not np.asarray(finite).any()
+  ls = ols.DynamicLossScale(2.0**10, 2)
+  stacked = jax.tree.map(lambda x: jnp.stack([x] * N), ls)
+  new_ls, ok = jax.pmap(lambda s, g: s.update(g, axis_name="i"), "i")(
+    stacked, grads
+  )
+  assert not np.asarray(ok).any()
+  np.testing.assert_array_equal(new_ls.current_loss_scale, 2.0**9)
+  unscale = ols.unscale_gradients(ols.DynamicLossScale(2.0**10), axis_name="i")
+  u_state = jax.pmap(unscale.init)(params)
+  _, u_state = jax.pmap(unscale.update, "i")(grads, u_state)
+  assert not np.asarray(u_state.should_apply).any()
+  np.testing.assert_array_equal(u_state.loss_scale.current_loss_scale, 2.0**9)
+
 
 def check_shard_map():
   mesh = _mesh((N,), ("i",))
