@@ -50,6 +50,15 @@ def config_loss_scale_optimizer():
   return tx.init, step
 
 
+def config_apply_gradients():
+  tx = ols.loss_scale_optimizer(_adam(), ols.DynamicLossScale(SCALE))
+
+  def step(params, state, grads):
+    return ols.apply_gradients(tx, grads, state, params)
+
+  return tx.init, step
+
+
 def config_unscale_gradients():
   tx = optax.chain(ols.unscale_gradients(ols.DynamicLossScale(SCALE)), _adam())
 
@@ -120,6 +129,7 @@ def config_apply_if_finite():
 CONFIGS: dict[str, Callable[[], Any]] = {
   "plain adam": config_plain,
   "loss_scale_optimizer": config_loss_scale_optimizer,
+  "loss_scale_optimizer + apply_gradients": config_apply_gradients,
   "chain(unscale_gradients, adam)": config_unscale_gradients,
   "jmp select_tree": config_jmp,
   "flax DynamicScale pattern": config_flax_pattern,

@@ -22,6 +22,7 @@ from optax_lossscale._transforms import (
 from optax_lossscale._transforms import (
   UnscaleGradientsState as UnscaleGradientsState,
 )
+from optax_lossscale._transforms import apply_gradients as apply_gradients
 from optax_lossscale._transforms import get_loss_scale as get_loss_scale
 from optax_lossscale._transforms import (
   loss_scale_optimizer as loss_scale_optimizer,
@@ -41,6 +42,7 @@ __all__ = [
   "UnscaleGradientsState",
   "__version__",
   "all_finite",
+  "apply_gradients",
   "deserialize",
   "get",
   "get_loss_scale",

@@ -14,6 +14,7 @@ from optax_lossscale._loss_scale import LossScale
 
 __all__ = [
   "LossScaleOptimizerState",
+  "apply_gradients",
   "UnscaleGradientsState",
   "get_loss_scale",
   "loss_scale_optimizer",
@@ -249,23 +250,65 @@ def loss_scale_optimizer(
       consecutive_skipped_steps=jnp.zeros((), jnp.int32),
     )
 
-  def update_fn(
-    updates: optax.Updates,
-    state: LossScaleOptimizerState,
-    params: optax.Params | None = None,
-    **extra_args: Any,
-  ) -> tuple[optax.Updates, LossScaleOptimizerState]:
+  def decide(
+    updates: optax.Updates, state: LossScaleOptimizerState, params: Any
+  ) -> tuple[LossScale, jax.Array]:
+    """Checks the gradients: the next loss scale and `should_apply`."""
     _check_state("loss_scale_optimizer", state, LossScaleOptimizerState)
     _check_structure("loss_scale_optimizer", updates, params)
     loss_scale = state.loss_scale
-    needs_check = skip_nonfinite or loss_scale._needs_finiteness
-    if needs_check:
+    if skip_nonfinite or loss_scale._needs_finiteness:
       finite = loss_scale._unscaled_all_finite(updates, axis_name=axis_name)
     else:
       finite = jnp.array(True)
     new_loss_scale, should_apply = loss_scale.adjust(finite)
     if skip_nonfinite:
       should_apply &= finite
+    return new_loss_scale, should_apply
+
+  def finish(
+    state: LossScaleOptimizerState,
+    new_loss_scale: LossScale,
+    should_apply: jax.Array,
+    inner_state: optax.OptState,
+  ) -> LossScaleOptimizerState:
+    """The new state, once the inner update has run or been skipped."""
+    if accumulator is not None:
+      # Gradient accumulation: the scale grows per optimizer step, not per
+      # micro-batch, so it stays constant within a window of finite
+      # micro-batches. (A non-finite micro-batch is dropped and the scale backs
+      # off at once; the accumulator holds unscaled gradients, so nothing
+      # accumulated under the old scale is invalidated.)
+      hold = should_apply & ~accumulator.has_updated(inner_state)
+      new_loss_scale = jax.tree.map(
+        lambda old, new: jnp.where(hold, old, new),
+        state.loss_scale,
+        new_loss_scale,
+      )
+    return LossScaleOptimizerState(
+      loss_scale=new_loss_scale,
+      inner_state=inner_state,
+      should_apply=should_apply,
+      skipped_steps=jnp.where(
+        should_apply,
+        state.skipped_steps,
+        optax.safe_increment(state.skipped_steps),
+      ),
+      consecutive_skipped_steps=jnp.where(
+        should_apply,
+        jnp.zeros((), jnp.int32),
+        optax.safe_increment(state.consecutive_skipped_steps),
+      ),
+    )
+
+  def update_fn(
+    updates: optax.Updates,
+    state: LossScaleOptimizerState,
+    params: optax.Params | None = None,
+    **extra_args: Any,
+  ) -> tuple[optax.Updates, LossScaleOptimizerState]:
+    new_loss_scale, should_apply = decide(updates, state, params)
+    loss_scale = state.loss_scale
 
     def apply(
       updates: optax.Updates, inner_state: optax.OptState
@@ -296,33 +339,100 @@ def loss_scale_optimizer(
       new_updates, inner_state = lax.cond(
         should_apply, apply, skip_like_inner, updates, state.inner_state
       )
-    if accumulator is not None:
-      # Gradient accumulation: the scale grows per optimizer step, not per
-      # micro-batch, so it stays constant within a window of finite
-      # micro-batches. (A non-finite micro-batch is dropped and the scale backs
-      # off at once; the accumulator holds unscaled gradients, so nothing
-      # accumulated under the old scale is invalidated.)
-      hold = should_apply & ~accumulator.has_updated(inner_state)
-      new_loss_scale = jax.tree.map(
-        lambda old, new: jnp.where(hold, old, new), loss_scale, new_loss_scale
-      )
-    return new_updates, LossScaleOptimizerState(
-      loss_scale=new_loss_scale,
-      inner_state=inner_state,
-      should_apply=should_apply,
-      skipped_steps=jnp.where(
-        should_apply,
-        state.skipped_steps,
-        optax.safe_increment(state.skipped_steps),
-      ),
-      consecutive_skipped_steps=jnp.where(
-        should_apply,
-        jnp.zeros((), jnp.int32),
-        optax.safe_increment(state.consecutive_skipped_steps),
-      ),
-    )
+    return new_updates, finish(state, new_loss_scale, should_apply, inner_state)
 
+  def apply_gradients_fn(
+    grads: optax.Updates,
+    state: LossScaleOptimizerState,
+    params: optax.Params,
+    **extra_args: Any,
+  ) -> tuple[optax.Params, LossScaleOptimizerState]:
+    new_loss_scale, should_apply = decide(grads, state, params)
+    loss_scale = state.loss_scale
+
+    def apply(
+      params: optax.Params, inner_state: optax.OptState
+    ) -> tuple[optax.Params, optax.OptState]:
+      updates, inner_state = inner.update(
+        loss_scale.unscale(grads), inner_state, params, **extra_args
+      )
+      return optax.apply_updates(params, updates), inner_state
+
+    def skip(
+      params: optax.Params, inner_state: optax.OptState
+    ) -> tuple[optax.Params, optax.OptState]:
+      return params, inner_state
+
+    new_params, inner_state = lax.cond(
+      should_apply, apply, skip, params, state.inner_state
+    )
+    return new_params, finish(state, new_loss_scale, should_apply, inner_state)
+
+  # Found by `apply_gradients`, which then updates the parameters inside the
+  # `cond` (see there).
+  setattr(update_fn, _FUSED_APPLY, apply_gradients_fn)  # noqa: B010
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+_FUSED_APPLY = "_optax_lossscale_apply_gradients"
+
+
+def apply_gradients(
+  tx: optax.GradientTransformation,
+  grads: optax.Updates,
+  opt_state: optax.OptState,
+  params: optax.Params,
+  **extra_args: Any,
+) -> tuple[optax.Params, optax.OptState]:
+  """`tx.update` followed by `optax.apply_updates`, as one step.
+
+  For a `loss_scale_optimizer`, the parameters are updated inside the same
+  `lax.cond` as the inner optimizer: the updates never leave it as a separate
+  buffer, so they fuse with the parameter update (as in a plain optimizer's
+  train step), a skipped step writes nothing at all, and donated parameters
+  and state are updated in place. The results are the same as
+  `tx.update` then `optax.apply_updates`. For any other transformation it is
+  exactly those two calls.
+
+  Args:
+    tx: an Optax transformation, typically from `loss_scale_optimizer`.
+    grads: the (scaled) gradients.
+    opt_state: the state of `tx`.
+    params: the parameters.
+    **extra_args: passed to the inner transformation.
+
+  Returns:
+    `(new_params, new_opt_state)`.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> import optax_lossscale as ols
+    >>> tx = ols.loss_scale_optimizer(optax.sgd(1.0), ols.FixedLossScale(4))
+    >>> params = {"w": jnp.array([1.0, 2.0])}
+    >>> state = tx.init(params)
+    >>> params, state = ols.apply_gradients(
+    ...     tx, {"w": jnp.array([4.0, 8.0])}, state, params)
+    >>> params["w"]
+    Array([0., 0.], dtype=float32)
+    >>> params, state = ols.apply_gradients(
+    ...     tx, {"w": jnp.array([jnp.nan, 8.0])}, state, params)
+    >>> params["w"], int(state.skipped_steps)
+    (Array([0., 0.], dtype=float32), 1)
+  """
+  if not isinstance(tx, optax.GradientTransformation):
+    raise TypeError(
+      "`apply_gradients(tx=...)` must be an Optax transformation, got"
+      f" {type(tx).__name__}."
+    )
+  fused = getattr(tx.update, _FUSED_APPLY, None)
+  if fused is not None:
+    result: tuple[optax.Params, optax.OptState] = fused(
+      grads, opt_state, params, **extra_args
+    )
+    return result
+  updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
+  return optax.apply_updates(params, updates), opt_state
 
 
 _STATES = (UnscaleGradientsState, LossScaleOptimizerState)

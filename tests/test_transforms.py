@@ -499,3 +499,95 @@ def test_skips_a_nan_in_a_large_leaf():
   updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
   assert not bool(state.should_apply)
   assert not bool(jnp.any(updates["big"]))
+
+
+# --- apply_gradients -----------------------------------------------------------
+
+
+def _grad_sequence(params, n=12, seed=0):
+  rng = np.random.RandomState(seed)
+  for t in range(n):
+    grads = jax.tree.map(
+      lambda p: jnp.asarray(rng.randn(*p.shape) * 64, p.dtype), params
+    )
+    if t % 4 == 2:
+      grads["b"] = grads["b"].at[1].set(jnp.inf)
+    yield grads
+
+
+@pytest.mark.parametrize(
+  "inner",
+  [optax.adam(1e-2), optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2)],
+  ids=["adam", "multisteps"],
+)
+def test_apply_gradients_matches_update_then_apply_updates(inner):
+  tx = ols.loss_scale_optimizer(inner, ols.DynamicLossScale(64.0, 2))
+  params = _tree()
+  fused = jax.jit(
+    lambda g, s, p: ols.apply_gradients(tx, g, s, p), donate_argnums=(1, 2)
+  )
+
+  @jax.jit
+  def separate(g, s, p):
+    updates, s = tx.update(g, s, p)
+    return optax.apply_updates(p, updates), s
+
+  p1, s1 = params, tx.init(params)
+  p2, s2 = jax.tree.map(jnp.copy, (params, s1))
+  for grads in _grad_sequence(params):
+    p1, s1 = separate(grads, s1, p1)
+    p2, s2 = fused(grads, s2, p2)
+  assert int(s1.skipped_steps) == 3
+  chex.assert_trees_all_close(p2, p1, rtol=1e-6, atol=1e-7)
+  chex.assert_trees_all_close(s2, s1, rtol=1e-6, atol=1e-7)
+
+
+def test_apply_gradients_skip_leaves_params_untouched():
+  tx = ols.loss_scale_optimizer(optax.adam(0.1), ols.DynamicLossScale(8.0))
+  params = _tree()
+  state = tx.init(params)
+  bad = jax.tree.map(lambda p: jnp.full_like(p, jnp.nan), params)
+  new_params, new_state = jax.jit(
+    lambda g, s, p: ols.apply_gradients(tx, g, s, p)
+  )(bad, state, params)
+  chex.assert_trees_all_equal(new_params, params)
+  chex.assert_trees_all_equal(new_state.inner_state, state.inner_state)
+  assert int(new_state.skipped_steps) == 1
+
+
+def test_apply_gradients_puts_the_parameter_update_inside_the_cond():
+  tx = ols.loss_scale_optimizer(optax.adam(0.1), ols.DynamicLossScale())
+  params = {f"p{i}": jnp.ones((8, 8)) for i in range(6)}
+  state = tx.init(params)
+  jaxpr = jax.make_jaxpr(lambda g, s, p: ols.apply_gradients(tx, g, s, p))(
+    params, state, params
+  ).jaxpr
+  (cond,) = [e for e in jaxpr.eqns if e.primitive is lax.cond_p]
+  big_outputs = [v for v in cond.outvars if v.aval.shape == (8, 8)]
+  # New parameters, and Adam's two moments: no separate updates.
+  assert len(big_outputs) == 3 * len(params)
+  assert not [
+    e
+    for e in jaxpr.eqns
+    if e.primitive is lax.select_n_p and e.outvars[0].aval.shape != ()
+  ]
+  adds = [
+    e
+    for e in jaxpr.eqns
+    if e.primitive is lax.add_p and e.outvars[0].aval.shape == (8, 8)
+  ]
+  assert adds == []  # apply_updates happens in the cond
+
+
+def test_apply_gradients_falls_back_for_other_transformations():
+  params = {"w": jnp.ones(2)}
+  for tx in [
+    optax.sgd(1.0),
+    optax.chain(ols.unscale_gradients(ols.FixedLossScale(2)), optax.sgd(1.0)),
+  ]:
+    new_params, _ = ols.apply_gradients(
+      tx, {"w": jnp.array([2.0, 4.0])}, tx.init(params), params
+    )
+    assert new_params["w"].shape == (2,)
+  with pytest.raises(TypeError, match="tx"):
+    ols.apply_gradients(optax.sgd, {}, (), {})
