@@ -81,6 +81,18 @@ class LossScale(abc.ABC):
   than changing this one. Subclasses are frozen dataclasses registered with
   `jax.tree_util.register_dataclass`, and implement `__call__`, `adjust` and
   `get_config`.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import optax_lossscale as ols
+    >>> loss_scale: ols.LossScale = ols.DynamicLossScale(initial_loss_scale=4.0)
+    >>> scaled_loss = loss_scale.scale(jnp.array(0.5, jnp.float16))
+    >>> scaled_loss
+    Array(2., dtype=float16)
+    >>> grads = loss_scale.unscale({"w": jnp.array([8.0, 4.0])})
+    >>> loss_scale, should_apply = loss_scale.update(grads)
+    >>> grads["w"], bool(should_apply)
+    (Array([2., 1.], dtype=float32), True)
   """
 
   #: Whether `adjust` depends on the finiteness verdict. Lets the optimizer

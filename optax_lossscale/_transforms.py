@@ -29,6 +29,14 @@ class UnscaleGradientsState(NamedTuple):
     loss_scale: the loss scale to use for the next step.
     should_apply: whether the last step's gradients were fit to apply (a bool
       scalar); True before the first step.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import optax_lossscale as ols
+    >>> tx = ols.unscale_gradients(ols.DynamicLossScale(8.0))
+    >>> _, state = tx.update({"w": jnp.array([jnp.inf])}, tx.init(None))
+    >>> float(state.loss_scale()), bool(state.should_apply)
+    (4.0, False)
   """
 
   loss_scale: LossScale
@@ -47,6 +55,17 @@ class LossScaleOptimizerState(NamedTuple):
     skipped_steps: how many steps were skipped in all (int32).
     consecutive_skipped_steps: how many steps were skipped since the last
       applied one (int32).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> import optax_lossscale as ols
+    >>> tx = ols.loss_scale_optimizer(optax.adam(0.1), ols.DynamicLossScale())
+    >>> params = {"w": jnp.zeros(2)}
+    >>> _, state = tx.update({"w": jnp.array([jnp.nan, 1.0])},
+    ...                      tx.init(params), params)
+    >>> int(state.skipped_steps), int(state.inner_state[0].count)
+    (1, 0)
   """
 
   loss_scale: LossScale
