@@ -237,7 +237,7 @@ class LossScale(abc.ABC):
     leaves = [_check_leaf(x, "update") for x in _numerics._array_leaves(grads)]
     if self._may_scale_below_one():
       leaves = jax.tree.leaves(self.unscale(leaves))
-    return _numerics._verdict(_numerics._probes(leaves), axis_name)
+    return _numerics._verdict(leaves, axis_name)
 
 
 def _static(**kwargs: Any) -> Any:

@@ -24,51 +24,50 @@ def _array_leaves(tree: Any) -> list[jax.Array]:
 def _nonfinite_probe(x: jax.Array) -> jax.Array:
   """A scalar that is NaN iff some element of `x` is NaN or infinite.
 
-  `x * 0` is 0 for finite elements and NaN for NaN and ±inf, and IEEE addition
-  propagates NaN, so one fused sum reads `x` once and decides. (A `max`-based
-  check is not safe: XLA's CPU backend hands large `max` reductions to a
-  library that drops NaN.)
+  Each element contributes `x * 0`: 0 when finite, NaN otherwise, and IEEE
+  addition propagates NaN. (A `max`-based check is not safe: XLA's CPU backend
+  hands large `max` reductions to a library that drops NaN.)
   """
-  return jnp.sum(x * jnp.zeros((), x.dtype))
+  probe: jax.Array = jnp.sum(x * jnp.zeros((), x.dtype))
+  return probe
 
 
 # Leaves up to this size are concatenated (per dtype) and checked by one
 # reduction: on XLA's CPU backend every reduction is a separately compiled
 # kernel, so hundreds of small leaves would multiply the compile time, while
 # copying small leaves costs next to nothing. Larger leaves are checked in
-# place, so each is read exactly once.
+# place.
 _SMALL_LEAF = 2**16
 
 
-def _probes(leaves: list[jax.Array]) -> list[jax.Array]:
-  """`_nonfinite_probe` over `leaves`, small ones concatenated per dtype."""
+def _group(leaves: list[jax.Array]) -> list[jax.Array]:
+  """Large leaves as they are; small ones concatenated per dtype."""
   small: dict[Any, list[jax.Array]] = {}
-  probes = []
+  groups = []
   for x in leaves:
     if x.size <= _SMALL_LEAF:
       small.setdefault(x.dtype, []).append(x.ravel())
     else:
-      probes.append(_nonfinite_probe(x))
-  for group in small.values():
-    probes.append(_nonfinite_probe(jnp.concatenate(group)))
-  return probes
+      groups.append(x)
+  return groups + [jnp.concatenate(group) for group in small.values()]
 
 
-def _verdict(probes: list[jax.Array], axis_name: AxisName) -> jax.Array:
-  """True iff every probe (0 or NaN, see `_nonfinite_probe`) is finite.
-
-  The probes are summed as one float32 vector, so the per-leaf scalar work is
-  a single small kernel, whatever the number of leaves.
-  """
-  as_real = [
+def _total(probes: list[jax.Array]) -> jax.Array:
+  """The float32 sum of scalar probes: one small kernel for all leaves."""
+  real = [
     (jnp.real(p) + jnp.imag(p)) if jnp.iscomplexobj(p) else p for p in probes
   ]
-  total = jnp.sum(
+  total: jax.Array = jnp.sum(
     jnp.stack(
-      [p.astype(jnp.float32) for p in as_real] or [jnp.zeros((), jnp.float32)]
+      [p.astype(jnp.float32) for p in real] or [jnp.zeros((), jnp.float32)]
     )
   )
-  ok = jnp.isfinite(total)
+  return total
+
+
+def _verdict(leaves: list[jax.Array], axis_name: AxisName) -> jax.Array:
+  """True iff every element of every leaf is finite; one read of each leaf."""
+  ok = jnp.isfinite(_total([_nonfinite_probe(x) for x in _group(leaves)]))
   if axis_name is not None:
     # One scalar collective: every replica ends with the same verdict.
     ok = lax.pmin(ok.astype(jnp.int32), axis_name).astype(jnp.bool_)
@@ -102,4 +101,4 @@ def all_finite(tree: Any, *, axis_name: AxisName = None) -> jax.Array:
   """
   leaves = [jnp.asarray(x) for x in _array_leaves(tree)]
   floats = [x for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)]
-  return _verdict(_probes(floats), axis_name)
+  return _verdict(floats, axis_name)

@@ -60,12 +60,13 @@ class LossScaleOptimizerState(NamedTuple):
     >>> import jax.numpy as jnp
     >>> import optax
     >>> import optax_lossscale as ols
-    >>> tx = ols.loss_scale_optimizer(optax.adam(0.1), ols.DynamicLossScale())
+    >>> tx = ols.loss_scale_optimizer(optax.sgd(0.1), ols.DynamicLossScale())
     >>> params = {"w": jnp.zeros(2)}
-    >>> _, state = tx.update({"w": jnp.array([jnp.nan, 1.0])},
-    ...                      tx.init(params), params)
-    >>> int(state.skipped_steps), int(state.inner_state[0].count)
-    (1, 0)
+    >>> _, state = tx.update(
+    ...   {"w": jnp.array([jnp.nan, 1.0])}, tx.init(params), params
+    ... )
+    >>> int(state.skipped_steps), bool(state.should_apply)
+    (1, False)
   """
 
   loss_scale: LossScale
