@@ -226,11 +226,18 @@ def main() -> None:
   )
   print(header)
   rows = []
+  failures: list[tuple[str, str, str, str]] = []
 
   def run(workload, params, dtype, names, scan_steps):
     base = None
     for name in names:
-      r = measure(name, params, dtype, repeats, scan_steps)
+      try:
+        r = measure(name, params, dtype, repeats, scan_steps)
+      except Exception as e:  # a peer that cannot run this workload
+        reason = str(e).splitlines()[0][:90]
+        print(f"{workload:>16} {name:>40}: failed: {reason}", flush=True)
+        failures.append((workload, jnp.dtype(dtype).name, name, reason))
+        continue
       if name == "plain adam":
         base = r
       rows.append((workload, jnp.dtype(dtype).name, name, r, base))
@@ -284,6 +291,8 @@ def main() -> None:
           else "- |\n"
         )
       )
+    for workload, dtype, name, reason in failures:
+      f.write(f"\nFailed: {name} on {workload} ({dtype} grads): {reason}\n")
   try:
     import matplotlib
 
