@@ -51,6 +51,16 @@ def _loss(params, x, y):
   return jnp.mean((pred.astype(jnp.float32) - y) ** 2)
 
 
+def _train_step(tx):
+  @jax.jit
+  def step(params, opt_state):
+    _, grads = ols.scaled_value_and_grad(_loss)(opt_state, params, X, Y)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  return step
+
+
 # --- Orbax --------------------------------------------------------------------
 
 
@@ -59,11 +69,7 @@ def test_orbax_checkpoint_mid_run_resumes_bit_for_bit(tmp_path):
     optax.adam(1e-2), ols.DynamicLossScale(2.0**15, 4)
   )
 
-  @jax.jit
-  def step(params, opt_state):
-    _, grads = ols.scaled_value_and_grad(_loss)(opt_state, params, X, Y)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
+  step = _train_step(tx)
 
   params = _mlp_params()
   state = tx.init(params)
@@ -238,11 +244,7 @@ def test_train_with_configs_written_by_tensorflow_and_keras(config):
   loss_scale = ols.deserialize(config)
   tx = ols.loss_scale_optimizer(optax.sgd(0.1), loss_scale)
 
-  @jax.jit
-  def step(params, opt_state):
-    _, grads = ols.scaled_value_and_grad(_loss)(opt_state, params, X, Y)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
+  step = _train_step(tx)
 
   params = _mlp_params()
   state = tx.init(params)
