@@ -12,7 +12,9 @@ from optax_lossscale import demo
 pytestmark = pytest.mark.usefixtures("standard_promotion")
 
 
-def test_demo_runs_and_writes_a_png(tmp_path, capsys):
+def test_demo_runs_and_writes_a_png(tmp_path, capsys, monkeypatch):
+  # Chunks of 10 steps: 15 steps take a full chunk and a partial one.
+  monkeypatch.setattr(demo, "CHUNK", 10)
   out = tmp_path / "demo.png"
   results = demo.main(
     ["--steps", "15", "--batch-size", "32", "--seed", "1", "--out", str(out)]
@@ -23,6 +25,10 @@ def test_demo_runs_and_writes_a_png(tmp_path, capsys):
     assert len(r["history"]["loss"]) == 15
     assert 0.0 <= r["accuracy"] <= 1.0 and 0.0 <= r["underflow"] <= 1.0
   assert results[0]["underflow"] == 0.0  # float32 loses nothing
+  # The setting's point: unscaled float16 loses gradient entries from the
+  # first step, and both loss scales keep them all.
+  assert results[1]["first_underflow"] > 0.01
+  assert results[2]["first_underflow"] == results[3]["first_underflow"] == 0.0
   printed = capsys.readouterr().out
   assert "Setting:" in printed and "loss scale" in printed
 
