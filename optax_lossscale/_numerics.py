@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 AxisName = Hashable | Sequence[Hashable] | None
@@ -24,12 +25,45 @@ def _array_leaves(tree: Any) -> list[jax.Array]:
 def _nonfinite_probe(x: jax.Array) -> jax.Array:
   """A scalar that is NaN iff some element of `x` is NaN or infinite.
 
-  Each element contributes `x * 0`: 0 when finite, NaN otherwise, and IEEE
-  addition propagates NaN. (A `max`-based check is not safe: XLA's CPU backend
-  hands large `max` reductions to a library that drops NaN.)
+  Each element contributes `x - x`: exactly 0 when finite, NaN otherwise
+  (inf - inf and NaN - NaN), and IEEE addition propagates NaN, so the sum is
+  exact whatever the order. XLA keeps `x - x` as it is for floating point and,
+  on its CPU backend, fuses it into the reduction without a temporary buffer
+  (`x * 0` is as exact, but is written out first). A `max`-based check is not
+  safe: XLA's CPU backend hands large `max` reductions to a library that drops
+  NaN.
   """
-  probe: jax.Array = jnp.sum(x * jnp.zeros((), x.dtype))
+  zero = x - x
+  if zero.dtype == jnp.float16:
+    return _float16_sum(zero)
+  # float32 and wider in their own dtype; bfloat16 accumulates in float32.
+  probe: jax.Array = jnp.sum(zero)
   return probe
+
+
+# float16 is summed in rows of this many elements first.
+_ROW = 16
+
+
+def _float16_sum(zero: jax.Array) -> jax.Array:
+  """The float32 sum of a float16 array of zeros and NaNs.
+
+  On XLA's CPU backend a float16 reduction (or a conversion to float32 feeding
+  one) is written out in full before it is reduced. Summing rows of 16 in
+  float16 first (exact here: every term is 0 or NaN) fuses with `x - x` and
+  leaves a buffer of 1/16 of the size.
+  """
+  flat = zero.ravel()
+  body = flat.size // _ROW * _ROW
+  total = jnp.zeros((), jnp.float32)
+  if body:
+    rows = lax.reduce(
+      flat[:body].reshape(-1, _ROW), np.zeros((), flat.dtype), lax.add, (1,)
+    )
+    total += jnp.sum(rows.astype(jnp.float32))
+  if body < flat.size:
+    total += jnp.sum(flat[body:].astype(jnp.float32))
+  return total
 
 
 # Leaves up to this size are concatenated (per dtype) and checked by one
@@ -77,27 +111,28 @@ def _verdict(leaves: list[jax.Array], axis_name: AxisName) -> jax.Array:
 def all_finite(tree: Any, *, axis_name: AxisName = None) -> jax.Array:
   """Returns True when every element of every array leaf of `tree` is finite.
 
-  `None` leaves and `float0` leaves (the gradients `jax.grad(...,
-  allow_int=True)` gives integer inputs) are ignored; integer leaves are always
-  finite; an empty tree counts as finite. Each leaf is read once, by one
-  reduction, and nothing is synchronised with the host.
+    `None` leaves and `float0` leaves (the gradients `jax.grad(...,
+    allow_int=True)` gives integer inputs) are ignored; integer leaves are always
+    finite; an empty tree counts as finite. Each leaf is read once, by one
+    reduction, and nothing is synchronised with the host.
 
-  Args:
-    tree: a pytree of arrays, typically gradients.
-    axis_name: the name (or names) of a mapped axis (`pmap`, `shard_map`,
-      `vmap`). When given, the verdict is combined across it with one scalar
-      collective, so every replica gets the same answer.
+    Args:
+      tree: a pytree of arrays, typically gradients.
+      axis_name: the name (or names) of a mapped axis (`pmap`, `shard_map`,
+        `vmap`). When given, the verdict is combined across it with one scalar
+        collective, so every replica gets the same answer.
 
-  Returns:
-    A bool scalar `jax.Array`.
+    Returns:
+      A bool scalar `jax.Array`.
 
-  Examples:
-    >>> import jax.numpy as jnp
-    >>> import optax_lossscale as ols
-    >>> ols.all_finite({"a": jnp.ones(3), "b": None})
-    Array(True, dtype=bool)
-    >>> ols.all_finite([jnp.array([1.0, jnp.inf])])
-    Array(False, dtype=bool)
+    Examples:
+      >>> import jax.numpy as jnp
+  import numpy as np
+      >>> import optax_lossscale as ols
+      >>> ols.all_finite({"a": jnp.ones(3), "b": None})
+      Array(True, dtype=bool)
+      >>> ols.all_finite([jnp.array([1.0, jnp.inf])])
+      Array(False, dtype=bool)
   """
   leaves = [jnp.asarray(x) for x in _array_leaves(tree)]
   floats = [x for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)]

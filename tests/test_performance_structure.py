@@ -54,10 +54,33 @@ def test_one_reduction_pass_outside_the_inner_update(n, shape):
       getattr(v.aval, "size", 0) >= shape[0] * shape[1] for v in e.outvars
     )
   ]
-  # Outside the cond: only `g * 0` (and the concatenation of small leaves).
+  # Outside the cond: only `g - g` (and the concatenation of small leaves).
   # The unscaling is inside the cond, fused into the inner update.
-  assert {e.primitive.name for e in big} <= {"mul", "concatenate", "reshape"}
+  assert {e.primitive.name for e in big} <= {"sub", "concatenate", "reshape"}
   assert sum(e.primitive is lax.cond_p for e in jaxpr.eqns) == 1
+
+
+def test_unscale_gradients_checks_the_incoming_gradients():
+  # The reduction reads the gradients as they come (`g - g`), not the unscaled
+  # ones: the unscaling then has one consumer, the rest of the chain, and
+  # fuses into it instead of being written out.
+  n, shape = 4, (300, 300)
+  tx = optax.chain(
+    ols.unscale_gradients(ols.DynamicLossScale()), optax.adam(1e-3)
+  )
+  params = {f"p{i}": jnp.ones(shape) for i in range(n)}
+  jaxpr = jax.make_jaxpr(tx.update)(params, tx.init(params), params).jaxpr
+  inputs = set(jaxpr.invars[:n])
+  subs = [e for e in jaxpr.eqns if e.primitive is lax.sub_p]
+  big_subs = [e for e in subs if e.outvars[0].aval.shape == shape]
+  assert len(big_subs) == n
+  assert all(set(e.invars) <= inputs for e in big_subs)
+  reduced = sum(
+    e.invars[0].aval.size
+    for e in jaxpr.eqns
+    if e.primitive in REDUCTIONS and e.invars[0].aval.size > n
+  )
+  assert reduced == n * shape[0] * shape[1]
 
 
 def test_fixed_scale_without_skipping_reads_nothing_extra():
