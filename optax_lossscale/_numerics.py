@@ -27,8 +27,9 @@ def _nonfinite_probe(x: jax.Array) -> jax.Array:
 
   Each element contributes `x - x`: exactly 0 when finite, NaN otherwise
   (inf - inf and NaN - NaN), and IEEE addition propagates NaN, so the sum is
-  exact whatever the order. XLA keeps `x - x` as it is for floating point and,
-  on its CPU backend, fuses it into the reduction without a temporary buffer
+  exact whatever the order. XLA keeps `x - x` as it is for floating point (its
+  algebraic simplifier folds `A - A => 0` for integers only) and, on its CPU
+  backend, fuses it into the reduction without a temporary buffer
   (`x * 0` is as exact, but is written out first). A `max`-based check is not
   safe: XLA's CPU backend hands large `max` reductions to a library that drops
   NaN.
@@ -127,7 +128,6 @@ def all_finite(tree: Any, *, axis_name: AxisName = None) -> jax.Array:
 
     Examples:
       >>> import jax.numpy as jnp
-  import numpy as np
       >>> import optax_lossscale as ols
       >>> ols.all_finite({"a": jnp.ones(3), "b": None})
       Array(True, dtype=bool)
