@@ -112,27 +112,27 @@ def _verdict(leaves: list[jax.Array], axis_name: AxisName) -> jax.Array:
 def all_finite(tree: Any, *, axis_name: AxisName = None) -> jax.Array:
   """Returns True when every element of every array leaf of `tree` is finite.
 
-    `None` leaves and `float0` leaves (the gradients `jax.grad(...,
-    allow_int=True)` gives integer inputs) are ignored; integer leaves are always
-    finite; an empty tree counts as finite. Each leaf is read once, by one
-    reduction, and nothing is synchronised with the host.
+  `None` leaves and `float0` leaves (the gradients `jax.grad(...,
+  allow_int=True)` gives integer inputs) are ignored; integer leaves are always
+  finite; an empty tree counts as finite. Each leaf is read once, by one
+  reduction, and nothing is synchronised with the host.
 
-    Args:
-      tree: a pytree of arrays, typically gradients.
-      axis_name: the name (or names) of a mapped axis (`pmap`, `shard_map`,
-        `vmap`). When given, the verdict is combined across it with one scalar
-        collective, so every replica gets the same answer.
+  Args:
+    tree: a pytree of arrays, typically gradients.
+    axis_name: the name (or names) of a mapped axis (`pmap`, `shard_map`,
+      `vmap`). When given, the verdict is combined across it with one scalar
+      collective, so every replica gets the same answer.
 
-    Returns:
-      A bool scalar `jax.Array`.
+  Returns:
+    A bool scalar `jax.Array`.
 
-    Examples:
-      >>> import jax.numpy as jnp
-      >>> import optax_lossscale as ols
-      >>> ols.all_finite({"a": jnp.ones(3), "b": None})
-      Array(True, dtype=bool)
-      >>> ols.all_finite([jnp.array([1.0, jnp.inf])])
-      Array(False, dtype=bool)
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import optax_lossscale as ols
+    >>> ols.all_finite({"a": jnp.ones(3), "b": None})
+    Array(True, dtype=bool)
+    >>> ols.all_finite([jnp.array([1.0, jnp.inf])])
+    Array(False, dtype=bool)
   """
   leaves = [jnp.asarray(x) for x in _array_leaves(tree)]
   floats = [x for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)]
