@@ -4,8 +4,9 @@ Usage: python benchmarks/step_overhead.py [--quick] [--max-peer-leaves N]
 
 Everything is measured in one process on the same pytrees, in train-step
 shape: jitted, with parameters and optimizer state donated and fed back. The
-gradients are an input (scaled by 2**10). Prints a table, writes
-benchmarks/RESULTS.md and benchmarks/step_overhead.png.
+gradients are an input (scaled by 2**10), except in one workload, where they
+are computed in the step from matrix products, as in a real model. Prints a
+table, writes benchmarks/RESULTS.md and benchmarks/step_overhead.png.
 """
 
 from __future__ import annotations
@@ -150,9 +151,44 @@ def make_tree(n_leaves: int, leaf_size: int, key: int = 0):
   return params
 
 
-def measure(name, params, grad_dtype, repeats, scan_steps):
-  init, step = CONFIGS[name]()
-  grads = jax.tree.map(lambda p: (p * SCALE * 1e-3).astype(grad_dtype), params)
+def _matmul_loss(params, xs, ys):
+  # The gradient with respect to each weight matrix w is x.T @ y: written out
+  # by a matrix product, as in a real model (scaled by SCALE, as the loss is).
+  return SCALE * sum(jnp.sum((xs[k] @ w) * ys[k]) for k, w in params.items())
+
+
+def _matmul_inputs(params, batch=8):
+  x_key, y_key = jax.random.split(jax.random.PRNGKey(1))
+  xs = {
+    k: jax.random.normal(jax.random.fold_in(x_key, i), (batch, w.shape[0]))
+    for i, (k, w) in enumerate(params.items())
+  }
+  ys = {
+    k: 1e-3
+    * jax.random.normal(jax.random.fold_in(y_key, i), (batch, w.shape[1]))
+    for i, (k, w) in enumerate(params.items())
+  }
+  return xs, ys
+
+
+def measure(name, params, grad_dtype, repeats, scan_steps, matmul=False):
+  """Times one configuration.
+
+  The gradients are an input of the step, or, with `matmul`, computed in the
+  step as the gradient of a loss made of one matrix product per leaf.
+  """
+  init, tx_step = CONFIGS[name]()
+  if matmul:
+    grads = _matmul_inputs(params)
+
+    def step(params, state, inputs):
+      return tx_step(params, state, jax.grad(_matmul_loss)(params, *inputs))
+
+  else:
+    grads = jax.tree.map(
+      lambda p: (p * SCALE * 1e-3).astype(grad_dtype), params
+    )
+    step = tx_step
   jitted = jax.jit(step, donate_argnums=(0, 1))
   p = jax.tree.map(jnp.copy, params)
   s = init(p)
@@ -228,11 +264,11 @@ def main() -> None:
   rows = []
   failures: list[tuple[str, str, str, str]] = []
 
-  def run(workload, params, dtype, names, scan_steps):
+  def run(workload, params, dtype, names, scan_steps, matmul=False):
     base = None
     for name in names:
       try:
-        r = measure(name, params, dtype, repeats, scan_steps)
+        r = measure(name, params, dtype, repeats, scan_steps, matmul)
       except Exception as e:  # a peer that cannot run this workload
         reason = str(e).splitlines()[0][:90]
         print(f"{workload:>16} {name:>40}: failed: {reason}", flush=True)
@@ -260,6 +296,16 @@ def main() -> None:
       list(CONFIGS),
       0 if dtype != jnp.float32 else (20 if args.quick else 100),
     )
+  # The realistic shape: the gradients come out of matrix products in the
+  # same step (for plain adam too they are then written out).
+  run(
+    "16M / 8 leaves, grads from matmuls",
+    {k: v.reshape(1000, -1) for k, v in big.items()},
+    jnp.float32,
+    list(CONFIGS),
+    0,
+    matmul=True,
+  )
   del big
   leaf_counts = [10, 100, 400] if args.quick else [10, 100, 400, 2000]
   for n in leaf_counts:
