@@ -418,8 +418,9 @@ def apply_gradients(
   `lax.cond` as the inner optimizer: the updates never leave it as a separate
   buffer, so they fuse with the parameter update (as in a plain optimizer's
   train step), a skipped step writes nothing at all, and donated parameters
-  and state are updated in place. The results are the same as
-  `tx.update` then `optax.apply_updates`. For any other transformation it is
+  and state are updated in place. The results are those of `tx.update` then
+  `optax.apply_updates`, up to rounding (XLA may fuse the last multiply of the
+  update and the addition into one operation). For any other transformation it is
   exactly those two calls.
 
   Args:

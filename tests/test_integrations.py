@@ -172,6 +172,46 @@ def test_linen_train_state_step():
   assert state.params["Dense_0"]["kernel"].dtype == jnp.float32
 
 
+def test_linen_fused_step_matches_train_state_apply_gradients():
+  # The README's fused linen step: `ols.apply_gradients` and `state.replace`
+  # give the same state as `TrainState.apply_gradients` (up to rounding: XLA
+  # may fuse the last multiply and the addition differently).
+  model = _LinenModel()
+  params = model.init(jax.random.PRNGKey(0), X)["params"]
+  tx = ols.loss_scale_optimizer(optax.adam(1e-2), ols.DynamicLossScale())
+  state = train_state.TrainState.create(
+    apply_fn=model.apply, params=params, tx=tx
+  )
+
+  def grads_of(state, x, y):
+    def loss_fn(params):
+      pred = state.apply_fn({"params": params}, x).astype(jnp.float32)
+      return jnp.mean((pred - y) ** 2)
+
+    return ols.scaled_value_and_grad(loss_fn)(state.opt_state, state.params)[1]
+
+  @jax.jit
+  def plain_step(state, x, y):
+    return state.apply_gradients(grads=grads_of(state, x, y))
+
+  @jax.jit
+  def fused_step(state, x, y):
+    params, opt_state = ols.apply_gradients(
+      state.tx, grads_of(state, x, y), state.opt_state, state.params
+    )
+    return state.replace(
+      step=state.step + 1, params=params, opt_state=opt_state
+    )
+
+  plain = fused = state
+  for i in range(12):
+    y = Y.at[0].set(jnp.inf) if i == 5 else Y  # one skipped step
+    plain, fused = plain_step(plain, X, y), fused_step(fused, X, y)
+  assert int(fused.opt_state.skipped_steps) == 1
+  assert int(fused.step) == int(plain.step) == 12
+  chex.assert_trees_all_close(fused, plain, rtol=1e-5, atol=1e-6)
+
+
 # --- Equinox -------------------------------------------------------------------------
 
 
