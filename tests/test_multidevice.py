@@ -36,7 +36,15 @@ def _run(*checks: str, timeout: int = 240) -> None:
     assert f"ok {check}" in result.stdout
 
 
-@pytest.mark.parametrize("check", ["pmap", "shard_map", "sharded_jit"])
+@pytest.mark.parametrize(
+  "check",
+  [
+    "pmap",
+    "shard_map",
+    "sharded_jit",
+    "sharded_leaves_are_checked_in_place",
+  ],
+)
 def test_replicas_agree(check):
   _run(check)
 
