@@ -31,24 +31,24 @@ def _adam() -> optax.GradientTransformation:
   return optax.adam(1e-3)
 
 
-def config_plain():
-  tx = _adam()
+def _optax_step(tx, prepare=lambda grads: grads):
+  """`tx.update` then `optax.apply_updates`, on `prepare(grads)`."""
 
   def step(params, state, grads):
-    updates, state = tx.update(grads, state, params)
+    updates, state = tx.update(prepare(grads), state, params)
     return optax.apply_updates(params, updates), state
 
   return tx.init, step
+
+
+def config_plain():
+  return _optax_step(_adam())
 
 
 def config_loss_scale_optimizer():
-  tx = ols.loss_scale_optimizer(_adam(), ols.DynamicLossScale(SCALE))
-
-  def step(params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  return tx.init, step
+  return _optax_step(
+    ols.loss_scale_optimizer(_adam(), ols.DynamicLossScale(SCALE))
+  )
 
 
 def config_apply_gradients():
@@ -61,13 +61,9 @@ def config_apply_gradients():
 
 
 def config_unscale_gradients():
-  tx = optax.chain(ols.unscale_gradients(ols.DynamicLossScale(SCALE)), _adam())
-
-  def step(params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  return tx.init, step
+  return _optax_step(
+    optax.chain(ols.unscale_gradients(ols.DynamicLossScale(SCALE)), _adam())
+  )
 
 
 def config_jmp():
@@ -117,14 +113,10 @@ def config_flax_pattern():
 
 
 def config_apply_if_finite():
-  tx = optax.apply_if_finite(_adam(), max_consecutive_errors=5)
-
-  def step(params, state, grads):
-    grads = jax.tree.map(lambda g: (g / SCALE).astype(g.dtype), grads)
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  return tx.init, step
+  return _optax_step(
+    optax.apply_if_finite(_adam(), max_consecutive_errors=5),
+    lambda grads: jax.tree.map(lambda g: (g / SCALE).astype(g.dtype), grads),
+  )
 
 
 CONFIGS: dict[str, Callable[[], Any]] = {

@@ -239,6 +239,21 @@ class LossScale(abc.ABC):
       leaves = jax.tree.leaves(self.unscale(leaves))
     return _numerics._verdict(leaves, axis_name)
 
+  def _update_scaled(
+    self, grads: Any, *, axis_name: _numerics.AxisName = None
+  ) -> tuple[Self, jax.Array]:
+    """`self.update(self.unscale(grads))`, checking the scaled `grads`.
+
+    The unscaled gradients are then not read by the check, so their
+    computation can fuse into whatever consumes them.
+    """
+    finite = (
+      self._unscaled_all_finite(grads, axis_name=axis_name)
+      if self._needs_finiteness
+      else jnp.array(True)
+    )
+    return self.adjust(finite)
+
 
 def _static(**kwargs: Any) -> Any:
   return dataclasses.field(metadata=dict(static=True), **kwargs)

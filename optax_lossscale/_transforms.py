@@ -172,17 +172,12 @@ def unscale_gradients(
     del extra_args
     _check_state("unscale_gradients", state, UnscaleGradientsState)
     _check_structure("unscale_gradients", updates, params)
-    loss_scale = state.loss_scale
-    # `loss_scale.update(unscaled)`, with the check reading the incoming
-    # gradients: the unscaling is then fused into the rest of the chain instead
-    # of being written out as a separate buffer.
-    finite = (
-      loss_scale._unscaled_all_finite(updates, axis_name=axis_name)
-      if loss_scale._needs_finiteness
-      else jnp.array(True)
+    # The check reads the incoming gradients: the unscaling is then fused into
+    # the rest of the chain instead of being written out as a separate buffer.
+    new_loss_scale, should_apply = state.loss_scale._update_scaled(
+      updates, axis_name=axis_name
     )
-    new_loss_scale, should_apply = loss_scale.adjust(finite)
-    return loss_scale.unscale(updates), UnscaleGradientsState(
+    return state.loss_scale.unscale(updates), UnscaleGradientsState(
       new_loss_scale, should_apply
     )
 

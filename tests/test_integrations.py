@@ -143,23 +143,29 @@ class _LinenModel(nn.Module):
     return nn.Dense(1, dtype=jnp.float16, param_dtype=jnp.float32)(jnp.tanh(x))
 
 
-def test_linen_train_state_step():
+def _linen_state():
   model = _LinenModel()
   params = model.init(jax.random.PRNGKey(0), X)["params"]
   tx = ols.loss_scale_optimizer(optax.adam(1e-2), ols.DynamicLossScale())
-  state = train_state.TrainState.create(
+  return train_state.TrainState.create(
     apply_fn=model.apply, params=params, tx=tx
   )
 
+
+def _linen_loss_and_grads(state, x, y):
+  def loss_fn(params):
+    pred = state.apply_fn({"params": params}, x).astype(jnp.float32)
+    return jnp.mean((pred - y) ** 2)
+
+  return ols.scaled_value_and_grad(loss_fn)(state.opt_state, state.params)
+
+
+def test_linen_train_state_step():
+  state = _linen_state()
+
   @jax.jit
   def train_step(state, x, y):
-    def loss_fn(params):
-      pred = state.apply_fn({"params": params}, x).astype(jnp.float32)
-      return jnp.mean((pred - y) ** 2)
-
-    loss, grads = ols.scaled_value_and_grad(loss_fn)(
-      state.opt_state, state.params
-    )
+    loss, grads = _linen_loss_and_grads(state, x, y)
     return state.apply_gradients(grads=grads), loss
 
   losses = []
@@ -176,28 +182,18 @@ def test_linen_fused_step_matches_train_state_apply_gradients():
   # The README's fused linen step: `ols.apply_gradients` and `state.replace`
   # give the same state as `TrainState.apply_gradients` (up to rounding: XLA
   # may fuse the last multiply and the addition differently).
-  model = _LinenModel()
-  params = model.init(jax.random.PRNGKey(0), X)["params"]
-  tx = ols.loss_scale_optimizer(optax.adam(1e-2), ols.DynamicLossScale())
-  state = train_state.TrainState.create(
-    apply_fn=model.apply, params=params, tx=tx
-  )
-
-  def grads_of(state, x, y):
-    def loss_fn(params):
-      pred = state.apply_fn({"params": params}, x).astype(jnp.float32)
-      return jnp.mean((pred - y) ** 2)
-
-    return ols.scaled_value_and_grad(loss_fn)(state.opt_state, state.params)[1]
+  state = _linen_state()
 
   @jax.jit
   def plain_step(state, x, y):
-    return state.apply_gradients(grads=grads_of(state, x, y))
+    grads = _linen_loss_and_grads(state, x, y)[1]
+    return state.apply_gradients(grads=grads)
 
   @jax.jit
   def fused_step(state, x, y):
+    grads = _linen_loss_and_grads(state, x, y)[1]
     params, opt_state = ols.apply_gradients(
-      state.tx, grads_of(state, x, y), state.opt_state, state.params
+      state.tx, grads, state.opt_state, state.params
     )
     return state.replace(
       step=state.step + 1, params=params, opt_state=opt_state
