@@ -77,3 +77,25 @@ def test_large_low_precision_leaves_every_position_is_checked(
     broken = flat.at[index].set(jnp.asarray(bad, dtype)).reshape(shape)
     assert not bool(ols.all_finite(broken))
     assert not bool(jax.jit(ols.all_finite)([jnp.ones(3, dtype), broken]))
+
+
+def test_many_small_leaves_every_leaf_is_checked():
+  # Small leaves are concatenated per dtype, a bounded number at a time (one
+  # concatenation of thousands of operands compiles slowly): a bad element in
+  # the first, a middle or the last leaf of any group is found.
+  dtypes = [jnp.float32, jnp.float16, jnp.bfloat16]
+  tree = [jnp.ones((3, i % 5 + 1), dtypes[i % 3]) for i in range(400)]
+  check = jax.jit(ols.all_finite)
+  assert bool(check(tree))
+  for index in [0, 1, 2, 191, 192, 194, 200, 383, 384, 399]:
+    broken = list(tree)
+    broken[index] = tree[index].at[-1, -1].set(jnp.nan)
+    assert not bool(check(broken)), index
+  concatenations = [
+    e
+    for e in jax.make_jaxpr(ols.all_finite)(tree).jaxpr.eqns
+    if e.primitive is jax.lax.concatenate_p
+  ]
+  # 134, 133 and 133 leaves per dtype: three groups each, of at most 64.
+  assert len(concatenations) == 9
+  assert max(len(e.invars) for e in concatenations) <= 64
