@@ -120,3 +120,17 @@ def test_no_host_synchronisation_in_update():
   with jax.transfer_guard("disallow"):
     jax.jit(tx.update)(params, state, params)  # compiles and runs
     jax.jit(tx.update)(params, state, params)
+
+
+def test_mid_sized_leaves_are_checked_in_place():
+  # Tiny leaves are concatenated into one reduction (fewer kernels to compile
+  # and launch); leaves of tens of thousands of elements are read in place,
+  # since copying them would cost more than the check itself.
+  def concatenated(tree):
+    jaxpr = jax.make_jaxpr(ols.all_finite)(tree).jaxpr
+    return sum(
+      len(e.invars) for e in jaxpr.eqns if e.primitive is lax.concatenate_p
+    )
+
+  assert concatenated([jnp.ones((32, 1024)) for _ in range(20)]) == 0
+  assert concatenated([jnp.ones((8, 125)) for _ in range(20)]) == 20
