@@ -25,6 +25,8 @@ import optax
 import optax_lossscale as ols
 
 SCALE = 2.0**10
+# Steps are timed in this many turns per configuration.
+ROUNDS = 5
 
 
 def _adam() -> optax.GradientTransformation:
@@ -163,8 +165,8 @@ def _matmul_inputs(params, batch=8):
   return xs, ys
 
 
-def measure(name, params, grad_dtype, repeats, scan_steps, matmul=False):
-  """Times one configuration.
+def prepare(name, params, grad_dtype, matmul=False):
+  """Compiles one configuration and runs its first step.
 
   The gradients are an input of the step, or, with `matmul`, computed in the
   step as the gradient of a loss made of one matrix product per leaf.
@@ -199,37 +201,51 @@ def measure(name, params, grad_dtype, repeats, scan_steps, matmul=False):
     compile_s = time.perf_counter() - t0
     temp = float("nan")
   jax.block_until_ready(p)
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    p, s = compiled(p, s, grads)
-    jax.block_until_ready(p)
-    times.append(time.perf_counter() - t0)
-  scan_s = float("nan")
-  if scan_steps:
-
-    def loop(p, s, g):
-      return jax.lax.scan(
-        lambda c, _: (step(*c, g), None), (p, s), None, length=scan_steps
-      )[0]
-
-    loop_c = jax.jit(loop, donate_argnums=(0, 1))
-    try:
-      loop_c = loop_c.lower(p, s, grads).compile()
-    except TypeError:  # jmp, as above: compile by running once
-      jax.block_until_ready(loop_c(p, s, grads))
-      p = jax.tree.map(jnp.copy, params)
-      s = init(p)
-    t0 = time.perf_counter()
-    jax.block_until_ready(loop_c(p, s, grads))
-    scan_s = time.perf_counter() - t0
   return dict(
-    step=float(np.median(times)),
+    name=name,
+    init=init,
+    step_fn=step,
+    compiled=compiled,
+    state=(p, s),
+    grads=grads,
+    params=params,
     compile=compile_s,
     temp=temp,
-    scan=scan_s,
-    scan_steps=scan_steps,
+    times=[],
   )
+
+
+def time_steps(run, n):
+  """Times `n` donated steps of a prepared configuration."""
+  p, s = run["state"]
+  for _ in range(n):
+    t0 = time.perf_counter()
+    p, s = run["compiled"](p, s, run["grads"])
+    jax.block_until_ready(p)
+    run["times"].append(time.perf_counter() - t0)
+  run["state"] = (p, s)
+
+
+def time_scan(run, scan_steps):
+  """Wall time of a `lax.scan` loop of `scan_steps` donated steps."""
+  step, init, grads = run["step_fn"], run["init"], run["grads"]
+
+  def loop(p, s, g):
+    return jax.lax.scan(
+      lambda c, _: (step(*c, g), None), (p, s), None, length=scan_steps
+    )[0]
+
+  p, s = run.pop("state")
+  loop_c = jax.jit(loop, donate_argnums=(0, 1))
+  try:
+    loop_c = loop_c.lower(p, s, grads).compile()
+  except TypeError:  # jmp, as above: compile by running once
+    jax.block_until_ready(loop_c(p, s, grads))
+    p = jax.tree.map(jnp.copy, run["params"])
+    s = init(p)
+  t0 = time.perf_counter()
+  jax.block_until_ready(loop_c(p, s, grads))
+  return time.perf_counter() - t0
 
 
 def main() -> None:
@@ -257,23 +273,41 @@ def main() -> None:
   failures: list[tuple[str, str, str, str]] = []
 
   def run(workload, params, dtype, names, scan_steps, matmul=False):
-    base = None
+    # All configurations are compiled first, then timed in turns, a few steps
+    # each, so that a slow spell of the machine affects them all alike.
+    runs = []
     for name in names:
       try:
-        r = measure(name, params, dtype, repeats, scan_steps, matmul)
+        runs.append(prepare(name, params, dtype, matmul))
       except Exception as e:  # a peer that cannot run this workload
         reason = str(e).splitlines()[0][:90]
         print(f"{workload:>16} {name:>40}: failed: {reason}", flush=True)
         failures.append((workload, jnp.dtype(dtype).name, name, reason))
-        continue
+    for _ in range(ROUNDS):
+      for r in runs:
+        time_steps(r, repeats // ROUNDS)
+    base = None
+    for r in runs:
+      result = dict(
+        step=float(np.median(r["times"])),
+        compile=r["compile"],
+        temp=r["temp"],
+        scan=time_scan(r, scan_steps) if scan_steps else float("nan"),
+        scan_steps=scan_steps,
+      )
+      r.pop("state", None)
+      name = r["name"]
       if name == "plain adam":
-        base = r
-      rows.append((workload, jnp.dtype(dtype).name, name, r, base))
+        base = result
+      rows.append((workload, jnp.dtype(dtype).name, name, result, base))
       print(
         f"{workload:>16} {jnp.dtype(dtype).name:>8} {name:>32}: "
-        f"step {r['step'] * 1e3:8.2f} ms ({r['step'] / base['step']:.2f}x)"
-        f"  compile {r['compile']:6.2f} s ({r['compile'] / base['compile']:.2f}x)"
-        f"  temp {r['temp'] / 2**20:8.1f} MiB  scan {r['scan']:.2f} s",
+        f"step {result['step'] * 1e3:8.2f} ms"
+        f" ({result['step'] / base['step']:.2f}x)"
+        f"  compile {result['compile']:6.2f} s"
+        f" ({result['compile'] / base['compile']:.2f}x)"
+        f"  temp {result['temp'] / 2**20:8.1f} MiB"
+        f"  scan {result['scan']:.2f} s",
         flush=True,
       )
 
@@ -299,6 +333,15 @@ def main() -> None:
     matmul=True,
   )
   del big
+  # Mid-sized leaves, as in a convolutional network: read in place by the
+  # check, not copied into a concatenation.
+  run(
+    "16M / 512 leaves x 32768",
+    make_tree(512, 32_768),
+    jnp.float32,
+    [c for c in CONFIGS if c not in PEERS or 512 <= args.max_peer_leaves],
+    0,
+  )
   leaf_counts = [10, 100, 400] if args.quick else [10, 100, 400, 2000]
   for n in leaf_counts:
     names = [c for c in CONFIGS if c not in PEERS or n <= args.max_peer_leaves]

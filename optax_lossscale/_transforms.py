@@ -204,7 +204,10 @@ def loss_scale_optimizer(
   The skip is one `lax.cond` around `inner`'s update: nothing is selected
   leaf by leaf, and donated parameters and state are updated in place. The
   gradients are read once, by one reduction, before the `cond`; the unscaling
-  is fused into `inner`'s update.
+  is fused into `inner`'s update. The updates `update` returns leave the
+  `cond` as a buffer of the parameters' size, which `optax.apply_updates` then
+  reads again; `apply_gradients(tx, grads, state, params)` updates the
+  parameters inside the `cond` instead and is the faster train step.
 
   Gradient accumulation: pass an `optax.MultiSteps` as `inner`. Each
   micro-batch is unscaled and checked before it is accumulated, so a
