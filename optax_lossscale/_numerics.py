@@ -35,25 +35,26 @@ def _nonfinite_probe(x: jax.Array) -> jax.Array:
   NaN.
   """
   zero = x - x
-  if zero.dtype == jnp.float16:
-    return _float16_sum(zero)
-  # float32 and wider in their own dtype; bfloat16 accumulates in float32.
+  if zero.dtype in (jnp.float16, jnp.bfloat16):
+    return _half_sum(zero)
+  # float32 and wider, in their own dtype.
   probe: jax.Array = jnp.sum(zero)
   return probe
 
 
-# float16 is summed in rows of this many elements first.
+# float16 and bfloat16 are summed in rows of this many elements first.
 _ROW = 16
 
 
-def _float16_sum(zero: jax.Array) -> jax.Array:
-  """The float32 sum of a float16 array of zeros and NaNs.
+def _half_sum(zero: jax.Array) -> jax.Array:
+  """The float32 sum of a float16 or bfloat16 array of zeros and NaNs.
 
-  On XLA's CPU backend a float16 reduction (or a conversion to float32 feeding
-  one) is written out in full before it is reduced. Summing rows of 16 in
-  float16 first (exact here: every term is 0 or NaN) fuses with `x - x` and
-  leaves a buffer of 1/16 of the size. Only the last axis is split, so a
-  sharded leaf keeps its sharding.
+  On XLA's CPU backend a half-precision reduction (or a conversion to float32
+  feeding one) is written out in full before it is reduced; for bfloat16 the
+  conversion is also shared with the unscaling, which is then written out too.
+  Summing rows of 16 in the leaf's dtype first (exact here: every term is 0 or
+  NaN) fuses with `x - x` and leaves a buffer of 1/16 of the size. Only the
+  last axis is split, so a sharded leaf keeps its sharding.
   """
   if zero.ndim and zero.shape[-1] % _ROW == 0:
     rows = zero.reshape(*zero.shape[:-1], -1, _ROW)

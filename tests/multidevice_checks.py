@@ -190,7 +190,8 @@ def check_sharded_jit():
 def check_sharded_leaves_are_checked_in_place():
   # A model-parallel gradient leaf is checked shard by shard: the compiled
   # check moves no gradient data between devices (only the scalar verdict),
-  # for float16 (summed in rows of 16 along the last axis) and float32.
+  # for float16 and bfloat16 (summed in rows of 16 along the last axis) and
+  # float32.
   mesh = _mesh((2, 4), ("data", "model"))
   sharding = NamedSharding(mesh, P("data", "model"))
   check = jax.jit(ols.all_finite)

@@ -134,3 +134,18 @@ def test_mid_sized_leaves_are_checked_in_place():
 
   assert concatenated([jnp.ones((32, 1024)) for _ in range(20)]) == 0
   assert concatenated([jnp.ones((8, 125)) for _ in range(20)]) == 20
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_half_precision_leaves_are_not_converted_whole(dtype):
+  # XLA's CPU backend writes out a whole half-precision reduction, or its
+  # conversion to float32 (for bfloat16, shared with the unscaling). The check
+  # sums rows of 16 in the leaf's dtype first: only 1/16 of it is converted.
+  x = jnp.ones((300, 320), dtype)
+  jaxpr = jax.make_jaxpr(ols.all_finite)(x).jaxpr
+  converted = [
+    e.outvars[0].aval.size
+    for e in jaxpr.eqns
+    if e.primitive is lax.convert_element_type_p
+  ]
+  assert converted and max(converted) <= x.size // 16
