@@ -272,6 +272,12 @@ def main() -> None:
   rows = []
   failures: list[tuple[str, str, str, str]] = []
 
+  def configs_for(n_leaves):
+    """Every configuration; the peers only up to --max-peer-leaves."""
+    return [
+      c for c in CONFIGS if c not in PEERS or n_leaves <= args.max_peer_leaves
+    ]
+
   def run(workload, params, dtype, names, scan_steps, matmul=False):
     # All configurations are compiled first, then timed in turns, a few steps
     # each, so that a slow spell of the machine affects them all alike.
@@ -339,17 +345,16 @@ def main() -> None:
     "16M / 512 leaves x 32768",
     make_tree(512, 32_768),
     jnp.float32,
-    [c for c in CONFIGS if c not in PEERS or 512 <= args.max_peer_leaves],
+    configs_for(512),
     0,
   )
   leaf_counts = [10, 100, 400] if args.quick else [10, 100, 400, 2000]
   for n in leaf_counts:
-    names = [c for c in CONFIGS if c not in PEERS or n <= args.max_peer_leaves]
     run(
       f"{n} leaves x 1000",
       make_tree(n, 1000),
       jnp.float32,
-      names,
+      configs_for(n),
       1000 if n == 100 else 0,
     )
 

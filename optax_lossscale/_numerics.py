@@ -57,25 +57,23 @@ def _half_sum(zero: jax.Array) -> jax.Array:
   last axis is split, so a sharded leaf keeps its sharding.
   """
   if zero.ndim and zero.shape[-1] % _ROW == 0:
-    rows = zero.reshape(*zero.shape[:-1], -1, _ROW)
-    return jnp.sum(_row_sums(rows).astype(jnp.float32))
+    return _sum_rows(zero.reshape(*zero.shape[:-1], -1, _ROW))
   if zero.ndim == 1:
     # A vector (or the concatenated small leaves): whole rows, then the tail.
     body = zero.size // _ROW * _ROW
     total = jnp.sum(zero[body:].astype(jnp.float32))
     if body:
-      rows = zero[:body].reshape(-1, _ROW)
-      total += jnp.sum(_row_sums(rows).astype(jnp.float32))
+      total += _sum_rows(zero[:body].reshape(-1, _ROW))
     return total
   total_: jax.Array = jnp.sum(zero.astype(jnp.float32))
   return total_
 
 
-def _row_sums(rows: jax.Array) -> jax.Array:
-  sums: jax.Array = lax.reduce(
-    rows, np.zeros((), rows.dtype), lax.add, (rows.ndim - 1,)
-  )
-  return sums
+def _sum_rows(rows: jax.Array) -> jax.Array:
+  """The float32 sum of `rows`, summed along the last axis in their dtype."""
+  sums = lax.reduce(rows, np.zeros((), rows.dtype), lax.add, (rows.ndim - 1,))
+  total: jax.Array = jnp.sum(sums.astype(jnp.float32))
+  return total
 
 
 # Leaves up to this size are concatenated (per dtype, up to _CONCAT of them at

@@ -67,9 +67,9 @@ def test_large_leaves_nan_is_not_lost_in_library_reductions(size, bad):
 def test_large_low_precision_leaves_every_position_is_checked(
   dtype, shape, bad
 ):
-  # Large float16 leaves are summed in rows of 16 along the last axis (a vector
-  # in rows plus a tail): a bad element at the start, inside, or in the last
-  # position is found, with and without jit.
+  # Large float16 and bfloat16 leaves are summed in rows of 16 along the last
+  # axis (a vector in rows plus a tail): a bad element at the start, inside, or
+  # in the last position is found, with and without jit.
   x = jnp.full(shape, 65504.0 if dtype == jnp.float16 else 3e38, dtype)
   assert bool(ols.all_finite(x)) and bool(jax.jit(ols.all_finite)(x))
   flat = x.ravel()

@@ -22,6 +22,15 @@ REDUCTIONS = {
 }
 
 
+def _reduced_elements(jaxpr, n):
+  """How many elements the reductions over more than `n` elements read."""
+  return sum(
+    e.invars[0].aval.size
+    for e in jaxpr.eqns
+    if e.primitive in REDUCTIONS and e.invars[0].aval.size > n
+  )
+
+
 def _tree(n):
   return {f"p{i}": jnp.ones((10, 10)) for i in range(n)}
 
@@ -39,11 +48,7 @@ def test_one_reduction_pass_outside_the_inner_update(n, shape):
   tx = ols.loss_scale_optimizer(optax.adam(1e-3), ols.DynamicLossScale())
   params = {f"p{i}": jnp.ones(shape) for i in range(n)}
   jaxpr = jax.make_jaxpr(tx.update)(params, tx.init(params), params).jaxpr
-  reduced = sum(
-    e.invars[0].aval.size
-    for e in jaxpr.eqns
-    if e.primitive in REDUCTIONS and e.invars[0].aval.size > n
-  )
+  reduced = _reduced_elements(jaxpr, n)
   # Every gradient element is reduced exactly once: one read of the gradients.
   assert reduced == n * shape[0] * shape[1]
   big = [
@@ -75,11 +80,7 @@ def test_unscale_gradients_checks_the_incoming_gradients():
   big_subs = [e for e in subs if e.outvars[0].aval.shape == shape]
   assert len(big_subs) == n
   assert all(set(e.invars) <= inputs for e in big_subs)
-  reduced = sum(
-    e.invars[0].aval.size
-    for e in jaxpr.eqns
-    if e.primitive in REDUCTIONS and e.invars[0].aval.size > n
-  )
+  reduced = _reduced_elements(jaxpr, n)
   assert reduced == n * shape[0] * shape[1]
 
 
