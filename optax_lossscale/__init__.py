@@ -1,8 +1,9 @@
 """Loss scaling for mixed-precision training in JAX, as Optax transformations.
 
 TensorFlow's `FixedLossScale` and `DynamicLossScale` as immutable JAX pytrees,
-and `loss_scale_optimizer`/`unscale_gradients` to put them in an Optax
-optimizer.
+`LossScaleOptimizer` (hysteresis, loss-aware skips, skip reports, a stop rule
+and retries of overflowed batches) and `unscale_gradients` to put them in an
+Optax optimizer.
 """
 
 from optax_lossscale._loss_scale import DynamicLossScale as DynamicLossScale
@@ -10,20 +11,26 @@ from optax_lossscale._loss_scale import FixedLossScale as FixedLossScale
 from optax_lossscale._loss_scale import LossScale as LossScale
 from optax_lossscale._loss_scale import NoOpLossScale as NoOpLossScale
 from optax_lossscale._numerics import all_finite as all_finite
+from optax_lossscale._optimizer import (
+  LossScaleOptimizer as LossScaleOptimizer,
+)
+from optax_lossscale._report import SkipReport as SkipReport
+from optax_lossscale._report import format_skip as format_skip
+from optax_lossscale._report import log_skip as log_skip
 from optax_lossscale._serialization import deserialize as deserialize
 from optax_lossscale._serialization import get as get
 from optax_lossscale._serialization import (
   register_loss_scale as register_loss_scale,
 )
 from optax_lossscale._serialization import serialize as serialize
-from optax_lossscale._transforms import (
+from optax_lossscale._states import (
   LossScaleOptimizerState as LossScaleOptimizerState,
 )
-from optax_lossscale._transforms import (
+from optax_lossscale._states import (
   UnscaleGradientsState as UnscaleGradientsState,
 )
+from optax_lossscale._states import get_loss_scale as get_loss_scale
 from optax_lossscale._transforms import apply_gradients as apply_gradients
-from optax_lossscale._transforms import get_loss_scale as get_loss_scale
 from optax_lossscale._transforms import (
   loss_scale_optimizer as loss_scale_optimizer,
 )
@@ -37,15 +44,19 @@ __all__ = [
   "DynamicLossScale",
   "FixedLossScale",
   "LossScale",
+  "LossScaleOptimizer",
   "LossScaleOptimizerState",
   "NoOpLossScale",
+  "SkipReport",
   "UnscaleGradientsState",
   "__version__",
   "all_finite",
   "apply_gradients",
   "deserialize",
+  "format_skip",
   "get",
   "get_loss_scale",
+  "log_skip",
   "loss_scale_optimizer",
   "register_loss_scale",
   "scaled_value_and_grad",

@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, ClassVar, Self
+import numbers
+from typing import Any, Self
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from optax_lossscale import _numerics, _validation
@@ -67,7 +69,7 @@ def _map_arrays(fn: Any, tree: Any, method: str) -> Any:
   """Maps `fn` over the array leaves; `None` and `float0` leaves pass as is."""
 
   def leaf(x: Any) -> Any:
-    if x is None or _numerics._is_float0(x):
+    if x is None or _numerics.is_float0(x):
       return x
     return fn(_check_leaf(x, method))
 
@@ -80,7 +82,9 @@ class LossScale(abc.ABC):
   A loss scale is an immutable pytree: `update` returns a new loss scale rather
   than changing this one. Subclasses are frozen dataclasses registered with
   `jax.tree_util.register_dataclass`, and implement `__call__`, `adjust` and
-  `get_config`.
+  `get_config`. They may override `grads_finite` (to check faster) and
+  `lowered` (to support retries); the base implementations are correct for
+  any scale.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -94,10 +98,6 @@ class LossScale(abc.ABC):
     >>> grads["w"], bool(should_apply)
     (Array([2., 1.], dtype=float32), True)
   """
-
-  #: Whether `adjust` depends on the finiteness verdict. Lets the optimizer
-  #: skip the finiteness reduction when nothing would read it.
-  _needs_finiteness: ClassVar[bool] = True
 
   @abc.abstractmethod
   def __call__(self) -> jax.Array:
@@ -166,12 +166,7 @@ class LossScale(abc.ABC):
     Returns:
       The loss scale for the next step and a bool scalar `jax.Array`.
     """
-    finite = (
-      _numerics.all_finite(grads, axis_name=axis_name)
-      if self._needs_finiteness
-      else jnp.array(True)
-    )
-    return self.adjust(finite)
+    return self.adjust(_numerics.all_finite(grads, axis_name=axis_name))
 
   def scale(self, tree: Any) -> Any:
     """Multiplies every array leaf of `tree` by the loss scale.
@@ -220,39 +215,71 @@ class LossScale(abc.ABC):
 
     return _map_arrays(div, tree, "unscale")
 
-  def _may_scale_below_one(self) -> bool:
-    """Whether unscaling can enlarge a gradient (and so overflow it)."""
-    return False
-
-  def _unscaled_all_finite(
-    self, grads: Any, *, axis_name: _numerics.AxisName = None
+  def grads_finite(
+    self, scaled_grads: Any, *, axis_name: _numerics.AxisName = None
   ) -> jax.Array:
-    """`all_finite(self.unscale(grads))`, reading `grads` once.
+    """Returns whether the gradients of a step are all finite once unscaled.
 
-    A scale of at least 1 cannot turn a finite gradient into an infinite one,
-    so the scaled gradients are checked directly, and the unscaling itself is
-    left to be fused into the inner optimizer's update. Only a loss scale that
-    can fall below 1 checks the unscaled values (still one fused pass).
+    The optimizers call this on the *scaled* gradients, as `jax.grad` of the
+    scaled loss gives them, and pass the verdict to `adjust`. This base
+    implementation checks `self.unscale(scaled_grads)`, which is right for any
+    scale, including scales below 1, where unscaling enlarges a gradient (a
+    float16 gradient of 40000 unscaled by 0.5 overflows). Override it only to
+    make it faster; the built-in loss scales check the scaled gradients
+    directly when their scale cannot fall below 1, since unscaling by a scale
+    of at least 1 cannot make a finite gradient infinite.
+
+    Args:
+      scaled_grads: the scaled gradients, a pytree (None leaves are ignored).
+      axis_name: a mapped axis over which replicas must agree (see
+        `all_finite`).
+
+    Returns:
+      A bool scalar `jax.Array`.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import optax_lossscale as ols
+      >>> grads = {"w": jnp.array([40000.0], jnp.float16)}
+      >>> bool(ols.FixedLossScale(2.0).grads_finite(grads))
+      True
     """
-    leaves = [_check_leaf(x, "update") for x in _numerics._array_leaves(grads)]
-    if self._may_scale_below_one():
-      leaves = jax.tree.leaves(self.unscale(leaves))
-    return _numerics._verdict(leaves, axis_name)
+    return _numerics.all_finite(self.unscale(scaled_grads), axis_name=axis_name)
 
-  def _update_scaled(
-    self, grads: Any, *, axis_name: _numerics.AxisName = None
-  ) -> tuple[Self, jax.Array]:
-    """`self.update(self.unscale(grads))`, checking the scaled `grads`.
+  def lowered(self) -> Self | None:
+    """Returns the loss scale to retry a step with after its gradients overflowed.
 
-    The unscaled gradients are then not read by the check, so their
-    computation can fuse into whatever consumes them.
+    `LossScaleOptimizer.minimize(..., max_retries=k)` recomputes an overflowed
+    step with this loss scale. The base implementation returns None: the loss
+    scale cannot be lowered, and `max_retries > 0` is refused. A lowered loss
+    scale whose scale is not below this one's (a floor was reached) stops the
+    retries.
+
+    Returns:
+      A new loss scale, or None.
+
+    Examples:
+      >>> import optax_lossscale as ols
+      >>> float(ols.DynamicLossScale(8.0).lowered()())
+      4.0
+      >>> print(ols.FixedLossScale(8.0).lowered())
+      None
     """
-    finite = (
-      self._unscaled_all_finite(grads, axis_name=axis_name)
-      if self._needs_finiteness
-      else jnp.array(True)
-    )
-    return self.adjust(finite)
+    return None
+
+
+def _scaled_grads_finite(
+  scaled_grads: Any, axis_name: _numerics.AxisName
+) -> jax.Array:
+  """`grads_finite` for a scale of at least 1: reads the scaled gradients once.
+
+  The unscaling is then not read by the check, so it can fuse into whatever
+  consumes the unscaled gradients (the inner optimizer's update).
+  """
+  leaves = [
+    _check_leaf(x, "update") for x in _numerics.array_leaves(scaled_grads)
+  ]
+  return _numerics.verdict(leaves, axis_name)
 
 
 def _static(**kwargs: Any) -> Any:
@@ -288,7 +315,6 @@ class FixedLossScale(LossScale):
   """
 
   loss_scale_value: float = _static()
-  _needs_finiteness: ClassVar[bool] = False
 
   def __post_init__(self) -> None:
     value = _validation.scalar(
@@ -307,6 +333,11 @@ class FixedLossScale(LossScale):
   def adjust(self, grads_finite: jax.Array) -> tuple[Self, jax.Array]:
     del grads_finite
     return self, jnp.array(True)
+
+  def grads_finite(
+    self, scaled_grads: Any, *, axis_name: _numerics.AxisName = None
+  ) -> jax.Array:
+    return _scaled_grads_finite(scaled_grads, axis_name)
 
   def get_config(self) -> dict[str, Any]:
     return {"loss_scale_value": self.loss_scale_value}
@@ -331,14 +362,17 @@ class NoOpLossScale(LossScale):
     Array(True, dtype=bool)
   """
 
-  _needs_finiteness: ClassVar[bool] = False
-
   def __call__(self) -> jax.Array:
     return jnp.ones((), jnp.float32)
 
   def adjust(self, grads_finite: jax.Array) -> tuple[Self, jax.Array]:
     del grads_finite
     return self, jnp.array(True)
+
+  def grads_finite(
+    self, scaled_grads: Any, *, axis_name: _numerics.AxisName = None
+  ) -> jax.Array:
+    return _scaled_grads_finite(scaled_grads, axis_name)
 
   def scale(self, tree: Any) -> Any:
     return _map_arrays(lambda x: x, tree, "scale")
@@ -372,9 +406,30 @@ class DynamicLossScale(LossScale):
   `should_apply` is False. The float32 arithmetic matches TensorFlow's
   `DynamicLossScale` bit for bit, for any multiplier.
 
-  The array state is `current_loss_scale` (float32) and `num_good_steps`
-  (int32); the hyperparameters are static. Pass the state fields only to
-  rebuild a loss scale from saved arrays.
+  With `hysteresis=h > 1` (Megatron-LM's `hysteresis`, DeepSpeed's
+  `delayed_shift`), the scale is lowered only once `h` non-finite steps have
+  used up a budget::
+
+    if grads are finite:
+      num_good_steps += 1
+      if consecutive_hysteresis: budget = hysteresis
+      if num_good_steps >= increment_period:
+        grow the scale if it can; num_good_steps = 0; budget = hysteresis
+    else:
+      num_good_steps = 0
+      budget = max(budget - 1, 0)
+      if budget == 0: scale = max(scale / multiplier, min_loss_scale)
+
+  A non-finite step is skipped whatever the budget. `hysteresis=1` is
+  TensorFlow's algorithm, bit for bit.
+
+  The array state is `current_loss_scale` (float32), `num_good_steps`
+  (int32) and, when `hysteresis > 1`, `hysteresis_budget` (int32; None
+  otherwise, so a default loss scale has TensorFlow's two leaves). The
+  hyperparameters are static and validated on every construction. Pass the
+  state fields only to rebuild a loss scale from saved arrays; values given as
+  Python or NumPy numbers are checked element by element (device arrays are
+  not read, which would synchronise with the device).
 
   Args:
     initial_loss_scale: the starting scale. The default, 2**15, is about half
@@ -384,14 +439,19 @@ class DynamicLossScale(LossScale):
     multiplier: the factor by which the scale rises and falls; greater than 1.
     min_loss_scale: the floor of the scale (TensorFlow's is 1).
     max_loss_scale: the ceiling of the scale; None means float32's maximum.
+    hysteresis: how many non-finite steps it takes to lower the scale; the
+      budget refills when the scale grows (or would, but is capped).
+    consecutive_hysteresis: refill the budget on every finite step too, so
+      that only consecutive non-finite steps count (DeepSpeed's option).
     current_loss_scale: the current scale, to restore a saved state.
     num_good_steps: the good-step counter, to restore a saved state.
+    hysteresis_budget: the hysteresis budget, to restore a saved state.
 
   Raises:
     TypeError: if an argument has the wrong type (bools and strings included).
-    ValueError: if `increment_period < 1`, `multiplier <= 1`, or
+    ValueError: if `increment_period < 1`, `multiplier <= 1`, `hysteresis < 1`,
       `0 < min_loss_scale <= initial_loss_scale <= max_loss_scale` does not
-      hold with finite float32 values.
+      hold with finite float32 values, or a restored state is out of range.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -405,6 +465,17 @@ class DynamicLossScale(LossScale):
     16.0 True
     8.0 False
     8.0 True
+
+    With a hysteresis of 2, one overflow is skipped without lowering the
+    scale; the second one lowers it:
+
+    >>> loss_scale = ols.DynamicLossScale(8.0, hysteresis=2)
+    >>> for grad in [jnp.inf, jnp.inf, jnp.inf]:
+    ...   loss_scale, should_apply = loss_scale.update({"w": jnp.array(grad)})
+    ...   print(float(loss_scale()), bool(should_apply))
+    8.0 False
+    4.0 False
+    2.0 False
   """
 
   initial_loss_scale: float = _static(default=2.0**15)
@@ -412,25 +483,32 @@ class DynamicLossScale(LossScale):
   multiplier: float = _static(default=2.0)
   min_loss_scale: float = _static(default=1.0, kw_only=True)
   max_loss_scale: float | None = _static(default=None, kw_only=True)
+  hysteresis: int = _static(default=1, kw_only=True)
+  consecutive_hysteresis: bool = _static(default=False, kw_only=True)
   current_loss_scale: jax.Array = dataclasses.field(
     default=_FRESH, kw_only=True
   )
   num_good_steps: jax.Array = dataclasses.field(default=_FRESH, kw_only=True)
+  hysteresis_budget: jax.Array | None = dataclasses.field(
+    default=_FRESH, kw_only=True
+  )
 
   def __post_init__(self) -> None:
-    fresh = self.current_loss_scale is _FRESH
-    if fresh or self.num_good_steps is _FRESH:
-      # The public constructor. (Unflattening, with arbitrary leaves, passes
-      # the already validated hyperparameters and skips this.)
-      self._validate()
-      if fresh:
-        object.__setattr__(
-          self,
-          "current_loss_scale",
-          jnp.asarray(self.initial_loss_scale, jnp.float32),
-        )
-      if self.num_good_steps is _FRESH:
-        object.__setattr__(self, "num_good_steps", jnp.zeros((), jnp.int32))
+    # Runs on every construction, unflattening included (with arbitrary
+    # leaves: tracers, shardings, None). Hyperparameters are Python values
+    # and always checked; the state only when it is host numbers.
+    self._validate()
+    if self.current_loss_scale is _FRESH:
+      scale = jnp.asarray(self.initial_loss_scale, jnp.float32)
+      object.__setattr__(self, "current_loss_scale", scale)
+    if self.num_good_steps is _FRESH:
+      object.__setattr__(self, "num_good_steps", jnp.zeros((), jnp.int32))
+    if self.hysteresis_budget is _FRESH:
+      budget = None
+      if self.hysteresis > 1:
+        budget = jnp.asarray(self.hysteresis, jnp.int32)
+      object.__setattr__(self, "hysteresis_budget", budget)
+    self._validate_state()
 
   def _validate(self) -> None:
     call = "DynamicLossScale"
@@ -466,25 +544,83 @@ class DynamicLossScale(LossScale):
         f"`{call}(max_loss_scale=...)` must be at least initial_loss_scale="
         f"{initial!r}, got {self.max_loss_scale!r}."
       )
+    hysteresis = _validation.integer(
+      call, "hysteresis", self.hysteresis, minimum=1
+    )
+    consecutive = _validation.boolean(
+      call, "consecutive_hysteresis", self.consecutive_hysteresis
+    )
     for name, value in [
       ("initial_loss_scale", initial),
       ("increment_period", period),
       ("multiplier", multiplier),
       ("min_loss_scale", minimum),
       ("max_loss_scale", maximum),
+      ("hysteresis", hysteresis),
+      ("consecutive_hysteresis", consecutive),
     ]:
       object.__setattr__(self, name, value)
+
+  def _validate_state(self) -> None:
+    call = "DynamicLossScale"
+    maximum = _validation.FLOAT32_MAX
+    if self.max_loss_scale is not None:
+      maximum = self.max_loss_scale
+    _validation.host_state_in_range(
+      call,
+      "current_loss_scale",
+      self.current_loss_scale,
+      self.min_loss_scale,
+      maximum,
+    )
+    _validation.host_state_in_range(
+      call, "num_good_steps", self.num_good_steps, 0, self.increment_period - 1
+    )
+    if self.hysteresis == 1:
+      if isinstance(self.hysteresis_budget, (numbers.Real, np.ndarray)):
+        raise ValueError(
+          f"`{call}(hysteresis_budget=...)` must be None when hysteresis=1,"
+          f" got {self.hysteresis_budget!r:.80}."
+        )
+    else:
+      _validation.host_state_in_range(
+        call, "hysteresis_budget", self.hysteresis_budget, 0, self.hysteresis
+      )
 
   def __call__(self) -> jax.Array:
     # `asarray` unwraps containers such as Flax NNX's optimizer variables.
     return jnp.asarray(self.current_loss_scale)
 
-  def _may_scale_below_one(self) -> bool:
-    return self.min_loss_scale < 1
+  def grads_finite(
+    self, scaled_grads: Any, *, axis_name: _numerics.AxisName = None
+  ) -> jax.Array:
+    if self.min_loss_scale >= 1:
+      return _scaled_grads_finite(scaled_grads, axis_name)
+    return super().grads_finite(scaled_grads, axis_name=axis_name)
+
+  def _backed_off(self) -> jax.Array:
+    """The scale divided by `multiplier`, floored: TensorFlow's backoff."""
+    scale = jnp.asarray(self.current_loss_scale)
+    return jnp.maximum(
+      _exact_div(scale, jnp.float32(self.multiplier)),
+      jnp.float32(self.min_loss_scale),
+    )
+
+  def lowered(self) -> Self:
+    """The scale divided by `multiplier` (floored), the good-step count reset.
+
+    What TensorFlow's algorithm does on a non-finite step, whatever the
+    hysteresis; the budget is left as it is.
+    """
+    return dataclasses.replace(
+      self,
+      current_loss_scale=self._backed_off(),
+      num_good_steps=jnp.zeros_like(self.num_good_steps),
+    )
 
   def adjust(self, grads_finite: jax.Array) -> tuple[Self, jax.Array]:
     grads_finite = jnp.asarray(grads_finite, jnp.bool_)
-    scale = self.current_loss_scale
+    scale = jnp.asarray(self.current_loss_scale)
     multiplier = jnp.float32(self.multiplier)
 
     good_steps = self.num_good_steps + 1
@@ -496,24 +632,42 @@ class DynamicLossScale(LossScale):
     grown = jnp.where(increase & can_raise, raised, scale)
     good_steps = jnp.where(increase, 0, good_steps)
 
-    lowered = jnp.maximum(
-      _exact_div(scale, multiplier), jnp.float32(self.min_loss_scale)
-    )
+    if self.hysteresis == 1:
+      lower, new_budget = jnp.array(True), self.hysteresis_budget
+    else:
+      budget = jnp.asarray(self.hysteresis_budget)
+      spent = jnp.maximum(budget - 1, 0)
+      lower = spent == 0
+      refill = increase | self.consecutive_hysteresis
+      full = jnp.full_like(budget, self.hysteresis)
+      new_budget = jnp.where(
+        grads_finite, jnp.where(refill, full, budget), spent
+      )
+    lowered = jnp.where(lower, self._backed_off(), scale)
     new_scale = jnp.where(grads_finite, grown, lowered)
     new_good_steps = jnp.where(grads_finite, good_steps, 0).astype(jnp.int32)
     new = dataclasses.replace(
-      self, current_loss_scale=new_scale, num_good_steps=new_good_steps
+      self,
+      current_loss_scale=new_scale,
+      num_good_steps=new_good_steps,
+      hysteresis_budget=new_budget,
     )
     return new, grads_finite
 
   def get_config(self) -> dict[str, Any]:
-    return {
+    config: dict[str, Any] = {
       "initial_loss_scale": self.initial_loss_scale,
       "increment_period": self.increment_period,
       "multiplier": self.multiplier,
       "min_loss_scale": self.min_loss_scale,
       "max_loss_scale": self.max_loss_scale,
     }
+    # Written only when set, so a default config keeps 0.1.0's keys.
+    if self.hysteresis != 1:
+      config["hysteresis"] = self.hysteresis
+    if self.consecutive_hysteresis:
+      config["consecutive_hysteresis"] = True
+    return config
 
   @classmethod
   def from_config(cls, config: dict[str, Any]) -> Self:

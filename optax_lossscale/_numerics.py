@@ -13,13 +13,13 @@ from jax import lax
 AxisName = Hashable | Sequence[Hashable] | None
 
 
-def _is_float0(x: Any) -> bool:
+def is_float0(x: Any) -> bool:
   return getattr(x, "dtype", None) == jax.dtypes.float0
 
 
-def _array_leaves(tree: Any) -> list[jax.Array]:
+def array_leaves(tree: Any) -> list[jax.Array]:
   """The leaves that carry numbers: `None` and `float0` leaves are dropped."""
-  return [x for x in jax.tree.leaves(tree) if not _is_float0(x)]
+  return [x for x in jax.tree.leaves(tree) if not is_float0(x)]
 
 
 def _nonfinite_probe(x: jax.Array) -> jax.Array:
@@ -117,13 +117,27 @@ def _total(probes: list[jax.Array]) -> jax.Array:
   return total
 
 
-def _verdict(leaves: list[jax.Array], axis_name: AxisName) -> jax.Array:
+def verdict(leaves: list[jax.Array], axis_name: AxisName) -> jax.Array:
   """True iff every element of every leaf is finite; one read of each leaf."""
   ok = jnp.isfinite(_total([_nonfinite_probe(x) for x in _group(leaves)]))
-  if axis_name is not None:
-    # One scalar collective: every replica ends with the same verdict.
-    ok = lax.pmin(ok.astype(jnp.int32), axis_name).astype(jnp.bool_)
-  return ok
+  return agree(ok, axis_name)
+
+
+def agree(flags: jax.Array, axis_name: AxisName) -> jax.Array:
+  """`flags` (bools) ANDed across the replicas of `axis_name`.
+
+  One collective, whatever the number of flags: every replica ends with the
+  same verdicts.
+  """
+  if axis_name is None:
+    return flags
+  agreed: jax.Array = lax.pmin(flags.astype(jnp.int32), axis_name)
+  return agreed.astype(jnp.bool_)
+
+
+def nonfinite_counts(leaves: list[jax.Array]) -> list[jax.Array]:
+  """How many non-finite elements each leaf has (int32 scalars)."""
+  return [jnp.sum(~jnp.isfinite(x), dtype=jnp.int32) for x in leaves]
 
 
 def all_finite(tree: Any, *, axis_name: AxisName = None) -> jax.Array:
@@ -151,6 +165,6 @@ def all_finite(tree: Any, *, axis_name: AxisName = None) -> jax.Array:
     >>> ols.all_finite([jnp.array([1.0, jnp.inf])])
     Array(False, dtype=bool)
   """
-  leaves = [jnp.asarray(x) for x in _array_leaves(tree)]
+  leaves = [jnp.asarray(x) for x in array_leaves(tree)]
   floats = [x for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)]
-  return _verdict(floats, axis_name)
+  return verdict(floats, axis_name)

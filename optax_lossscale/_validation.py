@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
-_FLOAT32_MAX = float(np.finfo(np.float32).max)
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 INT32_MAX = int(np.iinfo(np.int32).max)
 
 
@@ -50,7 +50,7 @@ def scalar(call: str, name: str, value: Any) -> float:
     result = float(number)
   except OverflowError:
     raise ValueError(f"{where} must be finite, got {number!r:.80}.") from None
-  if not math.isfinite(result) or abs(result) > _FLOAT32_MAX:
+  if not math.isfinite(result) or abs(result) > FLOAT32_MAX:
     raise ValueError(f"{where} must be finite in float32, got {value!r:.80}.")
   return result
 
@@ -70,3 +70,38 @@ def integer(call: str, name: str, value: Any, *, minimum: int) -> int:
       f"{where} must be an int in [{minimum}, {INT32_MAX}], got {result}."
     )
   return result
+
+
+def boolean(call: str, name: str, value: Any) -> bool:
+  """Returns `value` if it is a Python or NumPy bool, or raises."""
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(
+      f"`{call}({name}=...)` must be a bool, got {type(value).__name__}"
+      f" {value!r:.80}."
+    )
+  return bool(value)
+
+
+def host_state_in_range(
+  call: str, name: str, value: Any, low: float, high: float
+) -> None:
+  """Checks array state given as host numbers, element by element.
+
+  Python and NumPy numbers (a state restored to the host) are checked; device
+  arrays, tracers and any other leaf (a sharding, a shape, the bools of an
+  Equinox filter spec) are left alone: unflattening builds such trees, and
+  reading a device array would synchronise with it.
+  """
+  if isinstance(value, (bool, np.bool_)) or not isinstance(
+    value, (numbers.Real, np.ndarray, np.generic)
+  ):
+    return
+  array = np.asarray(value)
+  if array.dtype.kind not in "iuf":
+    return
+  bad = ~(np.isfinite(array) & (array >= low) & (array <= high))
+  if np.any(bad):
+    raise ValueError(
+      f"`{call}({name}=...)` must be in [{low!r}, {high!r}], got"
+      f" {array[bad].ravel()[0].item()!r} (in {np.array2string(array, threshold=8)})."
+    )

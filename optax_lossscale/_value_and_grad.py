@@ -8,7 +8,7 @@ from typing import Any
 import jax
 
 from optax_lossscale._loss_scale import LossScale
-from optax_lossscale._transforms import get_loss_scale
+from optax_lossscale._states import get_loss_scale
 
 __all__ = ["scaled_value_and_grad"]
 

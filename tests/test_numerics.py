@@ -56,7 +56,7 @@ def test_large_leaves_nan_is_not_lost_in_library_reductions(size, bad):
   assert not bool(jax.jit(ols.all_finite)({"a": jnp.ones(5), "b": x}))
   loss_scale = ols.DynamicLossScale(8.0)
   assert not bool(jax.jit(lambda g: loss_scale.update(g)[1])([x]))
-  assert not bool(loss_scale._unscaled_all_finite([x]))
+  assert not bool(loss_scale.grads_finite([x]))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])

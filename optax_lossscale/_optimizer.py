@@ -1,0 +1,641 @@
+"""`LossScaleOptimizer`: unscale, check, update or skip, in one step."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from optax_lossscale import _numerics, _report, _retry, _validation
+from optax_lossscale._loss_scale import LossScale
+from optax_lossscale._states import LossScaleOptimizerState
+from optax_lossscale._value_and_grad import scaled_value_and_grad
+
+__all__ = ["LossScaleOptimizer"]
+
+# A branch of the step's `lax.cond`: (params, inner_state) -> (out, inner_state).
+_Branch = Callable[[Any, Any], tuple[Any, Any]]
+
+
+def check_loss_scale(call: str, loss_scale: Any) -> None:
+  if not isinstance(loss_scale, LossScale):
+    raise TypeError(
+      f"`{call}(loss_scale=...)` must be a LossScale (FixedLossScale,"
+      " DynamicLossScale, NoOpLossScale, ...), got"
+      f" {type(loss_scale).__name__} {loss_scale!r:.80}; `get` builds one"
+      " from a number or 'dynamic'."
+    )
+
+
+def fresh_copy(loss_scale: LossScale) -> LossScale:
+  """The loss scale with fresh arrays: a donated state shares no buffer."""
+  copy: LossScale = jax.tree.map(jnp.copy, loss_scale)
+  return copy
+
+
+def check_state(call: str, state: Any, state_type: type) -> None:
+  if not isinstance(state, state_type):
+    raise TypeError(
+      f"`{call}.update(updates, state)` takes the {state_type.__name__}"
+      f" that its `init` returned, got {type(state).__name__}."
+    )
+
+
+def check_structure(call: str, updates: Any, params: Any) -> None:
+  if params is None:
+    return
+  is_none = lambda x: x is None  # noqa: E731
+  expected = jax.tree.structure(params, is_leaf=is_none)
+  # jax's stubs do not declare PyTreeDef's equality, which is the documented
+  # way to compare tree structures.
+  actual = jax.tree.structure(updates, is_leaf=is_none)
+  if not actual == expected:  # type: ignore[operator]
+    raise ValueError(
+      f"`{call}.update(updates, state, params)`: the structure of"
+      " `updates` does not match that of `params`:"
+      f" {jax.tree.structure(updates)} vs {jax.tree.structure(params)}."
+    )
+
+
+def loss_verdict(call: str, value: Any) -> jax.Array:
+  """Whether the loss `value` (a float array) is all finite; local."""
+  ok = isinstance(value, (jax.Array, np.ndarray, np.generic, float))
+  if not (ok and jnp.issubdtype(jnp.result_type(value), jnp.inexact)):
+    raise TypeError(
+      f"`{call}(..., value=...)` must be the loss, a floating-point array,"
+      f" got {type(value).__name__} {value!r:.80}."
+    )
+  return jnp.all(jnp.isfinite(value))
+
+
+class Decision(NamedTuple):
+  """What a step decided: the next loss scale and whether it applies."""
+
+  loss_scale: LossScale
+  should_apply: jax.Array
+  loss_finite: jax.Array | None
+
+
+def verdicts(
+  call: str,
+  loss_scale: LossScale,
+  grads: Any,
+  value: Any,
+  axis_name: _numerics.AxisName,
+) -> tuple[jax.Array, jax.Array | None]:
+  """(gradients finite, loss finite or None), agreed across replicas.
+
+  One fused read of the gradients, and one collective for both verdicts.
+  """
+  local = [loss_scale.grads_finite(grads)]
+  if value is not None:
+    local.append(loss_verdict(call, value))
+  agreed = _numerics.agree(jnp.stack(local), axis_name)
+  return agreed[0], (agreed[1] if value is not None else None)
+
+
+def decide(
+  loss_scale: LossScale,
+  grads_finite: jax.Array,
+  loss_finite: jax.Array | None,
+  skip_nonfinite: bool,
+) -> Decision:
+  """The next loss scale and `should_apply`, given the verdicts.
+
+  A non-finite loss skips the step and leaves the loss scale bit for bit
+  unchanged: a lower scale cannot fix a non-finite forward pass.
+  """
+  new_loss_scale, should_apply = loss_scale.adjust(grads_finite)
+  if skip_nonfinite:
+    should_apply &= grads_finite
+  if loss_finite is not None:
+    should_apply &= loss_finite
+    new_loss_scale = jax.tree.map(
+      lambda new, old: jnp.where(loss_finite, new, old),
+      new_loss_scale,
+      loss_scale,
+    )
+  return Decision(new_loss_scale, should_apply, loss_finite)
+
+
+def _count(counter: jax.Array, flag: jax.Array) -> jax.Array:
+  return jnp.where(flag, optax.safe_increment(counter), counter)
+
+
+def _maybe_count(counter: jax.Array | None, flag: jax.Array) -> Any:
+  # None in a state restored from a 0.1.0 checkpoint: it stays None.
+  return None if counter is None else _count(counter, flag)
+
+
+def _zeros(shapes: Any) -> Any:
+  return jax.tree.map(
+    lambda s: None if s is None else jnp.zeros(s.shape, s.dtype),
+    shapes,
+    is_leaf=lambda x: x is None,
+  )
+
+
+def _trace_once(fn: _Branch, *args: Any) -> tuple[_Branch, Any]:
+  """`fn`, traced once, as a function that replays it, and its output shapes.
+
+  Lets the skip branch return zeros shaped like `fn`'s outputs without
+  tracing `fn` (the user's `inner.update`) a second time.
+  """
+  converted, consts = jax.closure_convert(fn, *args)
+
+  def replay(*args: Any) -> tuple[Any, Any]:
+    result: tuple[Any, Any] = converted(*args, *consts)
+    return result
+
+  return replay, jax.eval_shape(replay, *args)
+
+
+class LossScaleOptimizer:
+  """Wraps an optimizer with loss scaling: unscale, check, update or skip.
+
+  The Optax counterpart of TensorFlow's `MixedPrecisionLossScaleOptimizer` and
+  Keras' `LossScaleOptimizer`, a class like `optax.MultiSteps`. Each step it
+  checks the incoming (scaled) gradients, updates the loss scale, and decides
+  `should_apply`: the loss scale's own answer and, when `skip_nonfinite` is
+  True, finite gradients and a finite loss (when `value=` is given). An
+  applied step runs `inner` on the unscaled gradients. A skipped step changes
+  no parameter and leaves `inner`'s state bit for bit unchanged, so moments,
+  step counts and schedules do not advance.
+
+  The skip is one `lax.cond` around `inner`'s update: nothing is selected
+  leaf by leaf, and donated parameters and state are updated in place. The
+  gradients are read once, by one fused reduction, before the `cond`; the
+  unscaling fuses into `inner`'s update. `apply_gradients` (or `minimize`)
+  also updates the parameters inside the `cond` and is the fastest train
+  step; `update` returns the updates, which leave the `cond` as a buffer.
+
+  Use an instance wherever Optax transformations are duck-typed (flax
+  linen's `TrainState.create(tx=...)`, `nnx.Optimizer(model, tx, wrt=...)`),
+  or `gradient_transformation()` where an `optax.GradientTransformation` is
+  required.
+
+  Gradient accumulation: pass `optax.MultiSteps(...)` (or its
+  `gradient_transformation()`) as `inner`. Each micro-batch is unscaled and
+  checked before it is accumulated, so a non-finite micro-batch is dropped
+  alone and never reaches the accumulator. The loss scale is updated on every
+  call of `update`, that is per micro-batch, as for any other `inner`.
+
+  Args:
+    inner: the optimizer to wrap, any Optax transformation (or an
+      `optax.MultiSteps`). Extra arguments of `update` (`value=` included)
+      are passed through to it.
+    loss_scale: the initial loss scale.
+    skip_nonfinite: skip non-finite steps even when the loss scale would apply
+      them (a `FixedLossScale` or `NoOpLossScale`). False gives TensorFlow's
+      exact behaviour.
+    axis_name: a mapped axis over which replicas must agree (see `all_finite`).
+    on_skip: called on the host, through `jax.debug.callback`, with a
+      `SkipReport`, on skipped steps only (for example `ols.log_skip`). Under
+      `pmap`/`shard_map` it is called once per step, by the replica of index 0
+      along `axis_name`, and the report's counts are summed over replicas.
+    max_consecutive_skips: when the step that would be this many-th skip in a
+      row runs, it raises (see "Raises"). None skips for ever, as TensorFlow.
+
+  Raises:
+    TypeError: if an argument has the wrong type.
+    ValueError: if `max_consecutive_skips < 1`.
+    jax.errors.JaxRuntimeError: from a train step, when the stop rule fires.
+      Its message carries the `max_consecutive_skips` report (scale, loss,
+      the non-finite leaves and the likely fix). The failing step is a skip:
+      it writes nothing. Without donation, the caller still holds the
+      parameters and optimizer state from before it; donated arrays are
+      consumed by the call, as always with donation.
+
+  Examples:
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> import optax_lossscale as ols
+    >>> tx = ols.LossScaleOptimizer(optax.sgd(2.0), ols.DynamicLossScale(
+    ...     initial_loss_scale=2.0, increment_period=1))
+    >>> params = {"w": jnp.array(5.0)}
+    >>> state = tx.init(params)
+    >>> loss, grads = ols.scaled_value_and_grad(lambda p: p["w"])(
+    ...     state, params)
+    >>> params, state = tx.apply_gradients(grads, state, params, value=loss)
+    >>> float(params["w"]), float(ols.get_loss_scale(state)())
+    (3.0, 4.0)
+  """
+
+  def __init__(
+    self,
+    inner: optax.GradientTransformation | optax.MultiSteps,
+    loss_scale: LossScale,
+    *,
+    skip_nonfinite: bool = True,
+    axis_name: _numerics.AxisName = None,
+    on_skip: Callable[[_report.SkipReport], Any] | None = None,
+    max_consecutive_skips: int | None = None,
+  ) -> None:
+    call = "LossScaleOptimizer"
+    if isinstance(inner, optax.MultiSteps):
+      inner = inner.gradient_transformation()
+    if not isinstance(inner, optax.GradientTransformation):
+      raise TypeError(
+        f"`{call}(inner=...)` must be an Optax transformation"
+        " (optax.GradientTransformation), got"
+        f" {type(inner).__name__} {inner!r:.80}."
+      )
+    check_loss_scale(call, loss_scale)
+    _validation.boolean(call, "skip_nonfinite", skip_nonfinite)
+    if on_skip is not None and not callable(on_skip):
+      raise TypeError(
+        f"`{call}(on_skip=...)` must be a callable or None, got"
+        f" {type(on_skip).__name__} {on_skip!r:.80}."
+      )
+    if max_consecutive_skips is not None:
+      _validation.integer(
+        call, "max_consecutive_skips", max_consecutive_skips, minimum=1
+      )
+    self.inner = optax.with_extra_args_support(inner)
+    self.loss_scale = loss_scale
+    self.skip_nonfinite = bool(skip_nonfinite)
+    self.axis_name = axis_name
+    self.on_skip = on_skip
+    self.max_consecutive_skips = max_consecutive_skips
+
+  def __repr__(self) -> str:
+    return (
+      f"LossScaleOptimizer(loss_scale={self.loss_scale!r},"
+      f" skip_nonfinite={self.skip_nonfinite}, axis_name={self.axis_name!r},"
+      f" on_skip={self.on_skip!r},"
+      f" max_consecutive_skips={self.max_consecutive_skips!r})"
+    )
+
+  def init(self, params: optax.Params) -> LossScaleOptimizerState:
+    """Returns the initial state: the loss scale and `inner`'s state.
+
+    Args:
+      params: the parameters, as `inner.init` takes them.
+
+    Returns:
+      A `LossScaleOptimizerState` of fresh arrays (safe to donate).
+    """
+    zero = lambda: jnp.zeros((), jnp.int32)  # noqa: E731
+    return LossScaleOptimizerState(
+      loss_scale=fresh_copy(self.loss_scale),
+      inner_state=self.inner.init(params),
+      should_apply=jnp.array(True),
+      skipped_steps=zero(),
+      consecutive_skipped_steps=zero(),
+      nonfinite_loss_steps=zero(),
+      retries=zero(),
+    )
+
+  def update(
+    self,
+    grads: optax.Updates,
+    state: LossScaleOptimizerState,
+    params: optax.Params | None = None,
+    **extra_args: Any,
+  ) -> tuple[optax.Updates, LossScaleOptimizerState]:
+    """One step: returns the updates (zeros when skipped) and the new state.
+
+    Args:
+      grads: the scaled gradients.
+      state: the state `init` returned, or the last `update`'s.
+      params: the parameters, if `inner` needs them.
+      **extra_args: passed to `inner`; `value=` (the loss) also skips a step
+        whose loss is not finite, leaving the loss scale unchanged.
+
+    Returns:
+      `(updates, new_state)`.
+    """
+    self._check(grads, state, params)
+    loss_scale = state.loss_scale
+
+    def inner_update(params: Any, inner_state: Any) -> tuple[Any, Any]:
+      result: tuple[Any, Any] = self.inner.update(
+        loss_scale.unscale(grads), inner_state, params, **extra_args
+      )
+      return result
+
+    # `inner` may return updates of another structure or dtype than the
+    # gradients: the skip branch returns zeros shaped like what it returned.
+    apply, shapes = _trace_once(inner_update, params, state.inner_state)
+
+    def skip(params: Any, inner_state: Any) -> tuple[Any, Any]:
+      return _zeros(shapes[0]), inner_state
+
+    return self._step(grads, state, params, extra_args, apply, skip)
+
+  def apply_gradients(
+    self,
+    grads: optax.Updates,
+    state: LossScaleOptimizerState,
+    params: optax.Params,
+    **extra_args: Any,
+  ) -> tuple[optax.Params, LossScaleOptimizerState]:
+    """The fused step: `update` then `optax.apply_updates`, inside the `cond`.
+
+    The updates never leave the `cond` as a separate buffer, so they fuse with
+    the parameter update, a skipped step writes nothing, and donated
+    parameters and state are updated in place. The results are those of
+    `update` followed by `optax.apply_updates`, up to rounding (XLA may fuse
+    the last multiply of the update and the addition into one operation).
+
+    Args:
+      grads: the scaled gradients.
+      state: the optimizer state.
+      params: the parameters.
+      **extra_args: as for `update`.
+
+    Returns:
+      `(new_params, new_state)`.
+    """
+    self._check(grads, state, params)
+    apply, skip = self._fused(grads, state.loss_scale, extra_args)
+    return self._step(grads, state, params, extra_args, apply, skip)
+
+  def _fused(
+    self, grads: Any, loss_scale: LossScale, extra_args: dict[str, Any]
+  ) -> tuple[_Branch, _Branch]:
+    """The branches of the fused step: the parameters change inside."""
+
+    def apply(params: Any, inner_state: Any) -> tuple[Any, Any]:
+      updates, inner_state = self.inner.update(
+        loss_scale.unscale(grads), inner_state, params, **extra_args
+      )
+      return optax.apply_updates(params, updates), inner_state
+
+    def skip(params: Any, inner_state: Any) -> tuple[Any, Any]:
+      return params, inner_state
+
+    return apply, skip
+
+  def minimize(
+    self,
+    fun: Callable[..., Any],
+    params: optax.Params,
+    state: LossScaleOptimizerState,
+    *args: Any,
+    has_aux: bool = False,
+    max_retries: int = 0,
+    **kwargs: Any,
+  ) -> tuple[Any, optax.Params, LossScaleOptimizerState]:
+    """One whole train step: the scaled gradient of `fun`, then the update.
+
+    Differentiates `fun(params, *args, **kwargs)` scaled by the state's loss
+    scale, and applies the gradients through `apply_gradients`, with the
+    loss as `value=`. With `max_retries=k > 0`, a step whose loss is finite
+    but whose gradients are not is recomputed on the same batch, at the scale
+    `LossScale.lowered()` gives, up to `k` times, inside the same compiled
+    step (a `lax.while_loop` whose predicate all replicas agree on). The
+    attempt that succeeds is applied as a finite step, so the batch is not
+    lost; retries stop early when the scale cannot be lowered any more or the
+    loss is not finite, and the step is then skipped as usual. `fun` is
+    traced once; a step runs one forward and backward pass, and one more per
+    retry.
+
+    Args:
+      fun: the loss function; it returns a scalar, or `(scalar, aux)` when
+        `has_aux`.
+      params: the parameters (the first argument of `fun`).
+      state: the optimizer state.
+      *args: further arguments of `fun` (the batch).
+      has_aux: whether `fun` returns `(loss, aux)`.
+      max_retries: how many times to recompute an overflowed batch.
+      **kwargs: keyword arguments of `fun`.
+
+    Returns:
+      `(value, new_params, new_state)`, where `value` is the unscaled loss,
+      or `(loss, aux)`.
+
+    Raises:
+      ValueError: if `max_retries` is negative, or positive with a loss scale
+        that cannot be lowered (`FixedLossScale`, `NoOpLossScale`).
+      TypeError: if `fun` is not callable, or `has_aux`/`max_retries` have the
+        wrong type.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import optax
+      >>> import optax_lossscale as ols
+      >>> tx = ols.LossScaleOptimizer(optax.sgd(0.1),
+      ...                             ols.DynamicLossScale(2.0**24))
+      >>> params = {"w": jnp.array([1.0, 2.0])}
+      >>> loss_fn = lambda p: jnp.sum(p["w"].astype(jnp.float16) ** 2)
+      >>> loss, params, state = tx.minimize(loss_fn, params, tx.init(params),
+      ...                                   max_retries=16)
+      >>> float(loss), int(state.skipped_steps), int(state.retries)
+      (5.0, 0, 11)
+      >>> float(ols.get_loss_scale(state)())  # the scaled float16 loss fits
+      8192.0
+    """
+    call = "LossScaleOptimizer.minimize"
+    _validation.boolean(call, "has_aux", has_aux)
+    _validation.integer(call, "max_retries", max_retries, minimum=0)
+    self._check(None, state, None)
+    value_and_grad = scaled_value_and_grad(fun, has_aux=has_aux)
+
+    def attempt(loss_scale: LossScale) -> tuple[Any, Any]:
+      return value_and_grad(loss_scale, params, *args, **kwargs)
+
+    loss_of = (lambda v: v[0]) if has_aux else (lambda v: v)
+    if max_retries == 0:
+      value, grads = attempt(state.loss_scale)
+      new_params, new_state = self.apply_gradients(
+        grads, state, params, value=loss_of(value)
+      )
+      return value, new_params, new_state
+    if state.loss_scale.lowered() is None:
+      raise ValueError(
+        f"`{call}(max_retries=...)` must be 0 with a"
+        f" {type(state.loss_scale).__name__}, which cannot be lowered, got"
+        f" {max_retries}."
+      )
+
+    def check(
+      ls: LossScale, value: Any, grads: Any
+    ) -> tuple[jax.Array, jax.Array]:
+      grads_finite, loss_finite = verdicts(
+        call, ls, grads, loss_of(value), self.axis_name
+      )
+      assert loss_finite is not None  # a loss was given
+      return grads_finite, loss_finite
+
+    found = _retry.retry(attempt, state.loss_scale, max_retries, check)
+    extra_args = {"value": loss_of(found.value)}
+    apply, skip = self._fused(found.grads, found.loss_scale, extra_args)
+    new_params, new_state = self._step(
+      found.grads,
+      state._replace(loss_scale=found.loss_scale),
+      params,
+      extra_args,
+      apply,
+      skip,
+      known=(found.grads_finite, found.loss_finite),
+      retries=found.retries,
+    )
+    return found.value, new_params, new_state
+
+  def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:
+    """Returns this optimizer as an `optax.GradientTransformationExtraArgs`.
+
+    Its `init` and `update` are this object's bound methods, which is how
+    `apply_gradients(tx, ...)` recognises it and takes the fused path.
+
+    Returns:
+      An `optax.GradientTransformationExtraArgs`.
+    """
+    return optax.GradientTransformationExtraArgs(self.init, self.update)
+
+  # --- the one step shared by update, apply_gradients and minimize ----------
+
+  def _check(self, grads: Any, state: Any, params: Any) -> None:
+    check_state("LossScaleOptimizer", state, LossScaleOptimizerState)
+    if grads is not None:
+      check_structure("LossScaleOptimizer", grads, params)
+
+  def _step(
+    self,
+    grads: Any,
+    state: LossScaleOptimizerState,
+    params: Any,
+    extra_args: dict[str, Any],
+    apply: _Branch,
+    skip: _Branch,
+    *,
+    known: tuple[jax.Array, jax.Array | None] | None = None,
+    retries: jax.Array | None = None,
+  ) -> tuple[Any, LossScaleOptimizerState]:
+    """Check, decide, one `lax.cond` around `inner`, and the new state.
+
+    `known` holds verdicts already computed (by `minimize`'s retries).
+    """
+    if known is None:
+      known = verdicts(
+        "LossScaleOptimizer.update",
+        state.loss_scale,
+        grads,
+        extra_args.get("value"),
+        self.axis_name,
+      )
+    grads_finite, loss_finite = known
+    decision = decide(
+      state.loss_scale, grads_finite, loss_finite, self.skip_nonfinite
+    )
+
+    def skipped(params: Any, inner_state: Any) -> tuple[Any, Any]:
+      self._report(grads, state, decision)
+      return skip(params, inner_state)
+
+    out, inner_state = lax.cond(
+      decision.should_apply, apply, skipped, params, state.inner_state
+    )
+    return out, self._next_state(state, decision, inner_state, retries)
+
+  def _next_state(
+    self,
+    state: LossScaleOptimizerState,
+    decision: Decision,
+    inner_state: Any,
+    retries: jax.Array | None,
+  ) -> LossScaleOptimizerState:
+    skipped = ~decision.should_apply
+    nonfinite_loss = state.nonfinite_loss_steps
+    if decision.loss_finite is not None:
+      nonfinite_loss = _maybe_count(nonfinite_loss, ~decision.loss_finite)
+    total_retries = state.retries
+    if retries is not None and total_retries is not None:
+      total_retries = total_retries + retries
+    return LossScaleOptimizerState(
+      loss_scale=decision.loss_scale,
+      inner_state=inner_state,
+      should_apply=decision.should_apply,
+      skipped_steps=_count(state.skipped_steps, skipped),
+      consecutive_skipped_steps=jnp.where(
+        skipped,
+        optax.safe_increment(state.consecutive_skipped_steps),
+        jnp.zeros((), jnp.int32),
+      ),
+      nonfinite_loss_steps=nonfinite_loss,
+      retries=total_retries,
+    )
+
+  def _report(
+    self,
+    grads: Any,
+    state: LossScaleOptimizerState,
+    decision: Decision,
+  ) -> None:
+    """Inside the skip branch: tells the host, if asked (on_skip, stop rule).
+
+    The per-leaf counts are computed here only, so an applied step reads
+    nothing more and transfers nothing.
+    """
+    if self.on_skip is None and self.max_consecutive_skips is None:
+      return
+    flat = [
+      (jax.tree_util.keystr(path), leaf)
+      for path, leaf in jax.tree_util.tree_flatten_with_path(grads)[0]
+      if not _numerics.is_float0(leaf)
+    ]
+    handler = _report.SkipHandler(
+      self.on_skip,
+      self.max_consecutive_skips,
+      [name for name, _ in flat],
+      decision.loss_finite is not None,
+    )
+    loss_scale = state.loss_scale
+    consecutive = optax.safe_increment(state.consecutive_skipped_steps)
+    lowered = loss_scale.lowered()
+    at_floor = jnp.array(True) if lowered is None else lowered() >= loss_scale()
+
+    def send() -> None:
+      unscaled = loss_scale.unscale([leaf for _, leaf in flat])
+      counts = jnp.stack(
+        _numerics.nonfinite_counts(unscaled) or [jnp.zeros((), jnp.int32)]
+      )
+      if self.axis_name is not None:
+        counts = lax.psum(counts, self.axis_name)
+      loss_finite = (
+        jnp.array(True)
+        if decision.loss_finite is None
+        else decision.loss_finite
+      )
+      args = (
+        loss_scale(),
+        decision.loss_scale(),
+        optax.safe_increment(state.skipped_steps),
+        consecutive,
+        loss_finite,
+        at_floor,
+        counts,
+      )
+      if self.axis_name is None:
+        jax.debug.callback(handler, *args)
+      else:
+        first = lax.axis_index(self.axis_name) == 0
+        lax.cond(
+          first, lambda: jax.debug.callback(handler, *args), lambda: None
+        )
+
+    if self.on_skip is None:
+      assert self.max_consecutive_skips is not None
+      # Only the stop rule: call the host when it fires, not on every skip.
+      lax.cond(consecutive >= self.max_consecutive_skips, send, lambda: None)
+    else:
+      send()
+
+
+def optimizer_of(tx: Any) -> LossScaleOptimizer | None:
+  """The `LossScaleOptimizer` behind `tx`, or None.
+
+  `tx` is the optimizer itself, or what its `gradient_transformation()`
+  returned, whose `update` is the optimizer's bound method.
+  """
+  if isinstance(tx, LossScaleOptimizer):
+    return tx
+  owner = getattr(getattr(tx, "update", None), "__self__", None)
+  return owner if isinstance(owner, LossScaleOptimizer) else None
