@@ -207,6 +207,58 @@ def check_sharded_leaves_are_checked_in_place():
         assert not bool(check(bad)), (dtype, shape, index)
 
 
+def check_nan_loss_on_one_replica():
+  # A NaN loss on one replica only: every replica skips, the loss scale stays
+  # bit for bit, and the counters agree (4 devices).
+  tx = ols.LossScaleOptimizer(
+    optax.sgd(0.1), ols.DynamicLossScale(2.0**10, 2), axis_name="i"
+  )
+  params = {"w": jnp.zeros((4, 4))}
+  state = jax.pmap(tx.init, devices=jax.devices()[:4])(params)
+  grads = {"w": jnp.ones((4, 4))}
+  loss = jnp.array([1.0, 1.0, np.nan, 1.0])
+  step = jax.pmap(
+    lambda g, s, p, v: tx.apply_gradients(g, s, p, value=v),
+    axis_name="i",
+    devices=jax.devices()[:4],
+  )
+  params, state = step(grads, state, params, loss)
+  assert not np.asarray(state.should_apply).any()
+  np.testing.assert_array_equal(state.loss_scale.current_loss_scale, 2.0**10)
+  np.testing.assert_array_equal(state.nonfinite_loss_steps, 1)
+  np.testing.assert_array_equal(params["w"], 0.0)
+
+
+def check_minimize_retries_agree():
+  # One replica's batch overflows at high scales: all replicas run the same
+  # number of attempts (the loss has a collective inside, which would
+  # deadlock otherwise), and end with equal scales.
+  tx = ols.LossScaleOptimizer(
+    optax.sgd(0.1), ols.DynamicLossScale(2.0**15, 100), axis_name="i"
+  )
+  devices = jax.devices()[:4]
+  params = {"w": jnp.full((4, 3), 0.5, jnp.float32)}
+  state = jax.pmap(tx.init, devices=devices)(params)
+  x = np.ones((4, 2, 3), np.float32)
+  x[1] *= 300.0  # replica 1 only
+
+  def loss(p, x):
+    h = (x.astype(jnp.float16) * p["w"].astype(jnp.float16)).astype(jnp.float32)
+    return jax.lax.pmean(jnp.mean(h**2), "i")
+
+  step = jax.pmap(
+    lambda p, s, x: tx.minimize(loss, p, s, x, max_retries=16),
+    axis_name="i",
+    devices=devices,
+  )
+  _, params, state = step(params, state, jnp.asarray(x))
+  retries = np.asarray(state.retries)
+  assert (retries == retries[0]).all() and retries[0] > 0, retries
+  assert np.asarray(state.should_apply).all()
+  assert len(set(np.asarray(state.loss_scale.current_loss_scale).tolist())) == 1
+  assert np.isfinite(np.asarray(params["w"])).all()
+
+
 if __name__ == "__main__":
   for name in sys.argv[1:]:
     globals()[f"check_{name}"]()

@@ -43,6 +43,8 @@ def _run(*checks: str, timeout: int = 240) -> None:
     "shard_map",
     "sharded_jit",
     "sharded_leaves_are_checked_in_place",
+    "nan_loss_on_one_replica",
+    "minimize_retries_agree",
   ],
 )
 def test_replicas_agree(check):

@@ -212,7 +212,10 @@ def test_user_loss_scale_below_one_skips_a_float16_step_that_overflows():
 def test_user_loss_scale_serializes_and_is_found_in_the_state():
   ls = HalvingLossScale(0.25)
   config = ols.serialize(ls)
-  assert config == {"class_name": "HalvingLossScale", "config": {"factor": 0.25}}
+  assert config == {
+    "class_name": "HalvingLossScale",
+    "config": {"factor": 0.25},
+  }
   assert ols.deserialize(config).factor == 0.25
   tx = ols.LossScaleOptimizer(optax.sgd(1.0), ls)
   found = ols.get_loss_scale(tx.init({"w": jnp.ones(1)}))
@@ -280,7 +283,9 @@ def test_dynamic_loss_scale_validates_hyperparameters_with_state_fields():
     ols.DynamicLossScale(4.0, hysteresis=2, hysteresis_budget=np.int32(3))
   # A pmap state (a leading replica axis) is checked element by element.
   ok = ols.DynamicLossScale(
-    4.0, current_loss_scale=np.full(4, 8.0, np.float32), num_good_steps=np.zeros(4, np.int32)
+    4.0,
+    current_loss_scale=np.full(4, 8.0, np.float32),
+    num_good_steps=np.zeros(4, np.int32),
   )
   assert ols.serialize(ok) == ols.serialize(ols.DynamicLossScale(4.0))
   # Unflattening with arbitrary leaves (tracers, shardings) still works.
@@ -302,9 +307,7 @@ def test_device_state_is_not_read_on_construction():
 
 def test_flax_linen_train_state_with_the_class():
   tx = ols.LossScaleOptimizer(optax.adam(1e-2), ols.DynamicLossScale(2.0**10))
-  state = train_state.TrainState.create(
-    apply_fn=None, params=_params(), tx=tx
-  )
+  state = train_state.TrainState.create(apply_fn=None, params=_params(), tx=tx)
 
   @jax.jit
   def step(state, bad):

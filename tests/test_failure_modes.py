@@ -1,0 +1,334 @@
+"""Hysteresis, loss-aware skips, skip reports and the stop rule."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+
+import optax_lossscale as ols
+
+pytestmark = pytest.mark.usefixtures("standard_promotion")
+
+
+# --- hysteresis: against an independent reference -----------------------------
+
+
+def _reference(config, finite_steps):
+  """Megatron-LM's DynamicGradScaler with DeepSpeed's consecutive option, in
+  plain NumPy float32, as the issue states the semantics."""
+  f32 = np.float32
+  scale = f32(config["initial_loss_scale"])
+  mult = f32(config["multiplier"])
+  low = f32(config["min_loss_scale"])
+  high = config["max_loss_scale"]
+  good, budget = 0, config["hysteresis"]
+  trace = []
+  for finite in finite_steps:
+    if finite:
+      good += 1
+      if config["consecutive_hysteresis"]:
+        budget = config["hysteresis"]
+      if good >= config["increment_period"]:
+        good = 0
+        budget = config["hysteresis"]
+        with np.errstate(over="ignore"):
+          raised = f32(scale * mult)
+        if np.isfinite(raised) and (high is None or raised <= f32(high)):
+          scale = raised
+    else:
+      good = 0
+      budget = max(budget - 1, 0)
+      if budget == 0:
+        scale = max(f32(scale / mult), low)
+    trace.append((scale, good, budget, finite))
+  return trace
+
+
+def test_hysteresis_matches_an_independent_reference():
+  rng = np.random.default_rng(0)
+  for _ in range(50):
+    config = dict(
+      initial_loss_scale=float(2.0 ** rng.integers(0, 20)),
+      increment_period=int(rng.integers(1, 8)),
+      multiplier=float(rng.choice([2.0, 3.0, 1.5, 10.0])),
+      min_loss_scale=float(rng.choice([1.0, 0.5])),
+      max_loss_scale=rng.choice([None, 2.0**24]),
+      hysteresis=int(rng.integers(1, 5)),
+      consecutive_hysteresis=bool(rng.integers(0, 2)),
+    )
+    if config["max_loss_scale"] is not None:
+      config["max_loss_scale"] = float(config["max_loss_scale"])
+    config["initial_loss_scale"] = max(
+      config["initial_loss_scale"], config["min_loss_scale"]
+    )
+    finite = rng.random(2000) < rng.uniform(0.3, 0.95)
+    ls = ols.DynamicLossScale(**config)
+
+    def step(ls, ok):
+      new, apply = ls.adjust(ok)
+      budget = (
+        new.hysteresis_budget
+        if new.hysteresis_budget is not None
+        else jnp.int32(0)
+      )
+      return new, (new(), new.num_good_steps, budget, apply)
+
+    _, (scales, goods, budgets, applies) = jax.jit(
+      lambda ls, f: lax.scan(step, ls, f)
+    )(ls, jnp.asarray(finite))
+    ref = _reference(config, finite.tolist())
+    np.testing.assert_array_equal(scales, [r[0] for r in ref], str(config))
+    np.testing.assert_array_equal(goods, [r[1] for r in ref])
+    if config["hysteresis"] > 1:
+      np.testing.assert_array_equal(budgets, [r[2] for r in ref])
+    np.testing.assert_array_equal(applies, finite)
+
+
+def test_hysteresis_budget_refills_even_when_growth_is_capped():
+  ls = ols.DynamicLossScale(4.0, 1, max_loss_scale=4.0, hysteresis=2)
+  ls, _ = ls.adjust(jnp.array(False))
+  assert int(ls.hysteresis_budget) == 1 and float(ls()) == 4
+  ls, _ = ls.adjust(jnp.array(True))  # capped: no growth, but a refill
+  assert int(ls.hysteresis_budget) == 2 and float(ls()) == 4
+
+
+def test_default_dynamic_loss_scale_keeps_its_leaves_and_config_keys():
+  ls = ols.DynamicLossScale()
+  paths = [
+    jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(ls)
+  ]
+  assert paths == [".current_loss_scale", ".num_good_steps"]
+  assert list(ls.get_config()) == [
+    "initial_loss_scale",
+    "increment_period",
+    "multiplier",
+    "min_loss_scale",
+    "max_loss_scale",
+  ]
+
+
+def test_hysteresis_validation_and_round_trip():
+  with pytest.raises(ValueError, match="hysteresis"):
+    ols.DynamicLossScale(hysteresis=0)
+  with pytest.raises(TypeError, match="hysteresis"):
+    ols.DynamicLossScale(hysteresis=2.0)
+  with pytest.raises(TypeError, match="consecutive_hysteresis"):
+    ols.DynamicLossScale(consecutive_hysteresis=1)
+  ls = ols.DynamicLossScale(8.0, hysteresis=3, consecutive_hysteresis=True)
+  back = ols.deserialize(ols.serialize(ls))
+  assert back.hysteresis == 3 and back.consecutive_hysteresis is True
+  assert int(back.hysteresis_budget) == 3
+
+
+# --- loss-aware steps -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  "loss_scale",
+  [ols.DynamicLossScale(8.0, 1), ols.FixedLossScale(8), ols.NoOpLossScale()],
+  ids=["dynamic", "fixed", "noop"],
+)
+@pytest.mark.parametrize("entry", ["update", "apply_gradients"])
+def test_nonfinite_loss_skips_and_leaves_the_scale_unchanged(loss_scale, entry):
+  tx = ols.LossScaleOptimizer(optax.adam(0.1), loss_scale)
+  params = {"w": jnp.ones(3)}
+  state = tx.init(params)
+  step = jax.jit(getattr(tx, entry))
+  out, state = step({"w": jnp.ones(3)}, state, params, value=jnp.float32(1))
+  before = state
+  for bad in [jnp.nan, jnp.inf]:
+    # Finite gradients, non-finite loss: skipped, scale untouched.
+    out, state = step({"w": jnp.ones(3)}, state, params, value=jnp.float32(bad))
+    chex.assert_trees_all_equal(state.loss_scale, before.loss_scale)
+    chex.assert_trees_all_equal(state.inner_state, before.inner_state)
+    assert not bool(state.should_apply)
+  assert int(state.skipped_steps) == 2
+  assert int(state.consecutive_skipped_steps) == 2
+  assert int(state.nonfinite_loss_steps) == 2
+  # A gradient overflow with a finite loss counts apart.
+  _, state = step(
+    {"w": jnp.full(3, jnp.inf)}, state, params, value=jnp.float32(1)
+  )
+  assert int(state.skipped_steps) == 3 and int(state.nonfinite_loss_steps) == 2
+
+
+def test_value_absent_is_todays_behaviour_and_value_reaches_inner():
+  seen = []
+
+  def update(updates, state, params=None, *, value=None):
+    seen.append(value)
+    return updates, state
+
+  inner = optax.GradientTransformationExtraArgs(
+    lambda p: optax.EmptyState(), update
+  )
+  tx = ols.LossScaleOptimizer(inner, ols.DynamicLossScale(4.0))
+  params = {"w": jnp.ones(2)}
+  tx.update({"w": jnp.ones(2)}, tx.init(params), params, value=jnp.float32(3))
+  assert float(seen[-1]) == 3
+  a = jax.make_jaxpr(tx.update)({"w": jnp.ones(2)}, tx.init(params), params)
+  plain = ols.LossScaleOptimizer(optax.identity(), ols.DynamicLossScale(4.0))
+  b = jax.make_jaxpr(plain.update)(
+    {"w": jnp.ones(2)}, plain.init(params), params
+  )
+  assert str(a).count("cond") == str(b).count("cond") == 1
+
+
+def test_unscale_gradients_with_a_nonfinite_loss():
+  tx = ols.unscale_gradients(ols.DynamicLossScale(8.0))
+  _, state = tx.update(
+    {"w": jnp.ones(2)}, tx.init(None), value=jnp.float32(jnp.nan)
+  )
+  assert not bool(state.should_apply) and float(state.loss_scale()) == 8
+
+
+def test_scaled_value_and_grad_feeds_value():
+  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale(2.0**4))
+  params = {"w": jnp.ones(2)}
+  state = tx.init(params)
+  loss_fn = lambda p, x: jnp.sum(p["w"] * x)  # noqa: E731
+  loss, grads = ols.scaled_value_and_grad(loss_fn)(
+    state, params, jnp.array([1.0, jnp.nan])
+  )
+  _, state = tx.apply_gradients(grads, state, params, value=loss)
+  assert (
+    int(state.nonfinite_loss_steps) == 1 and float(state.loss_scale()) == 16
+  )
+
+
+def test_a_0_1_0_state_without_the_new_counters_still_steps():
+  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale(4.0))
+  params = {"w": jnp.ones(2)}
+  old = tx.init(params)._replace(nonfinite_loss_steps=None, retries=None)
+  _, state = jax.jit(tx.apply_gradients)(
+    {"w": jnp.ones(2)}, old, params, value=jnp.float32(jnp.nan)
+  )
+  assert state.nonfinite_loss_steps is None and int(state.skipped_steps) == 1
+  _, _, state = tx.minimize(
+    lambda p: jnp.sum(p["w"]), params, old, max_retries=2
+  )
+  assert state.retries is None
+
+
+# --- skip reports -------------------------------------------------------------------
+
+
+def test_on_skip_reports_skipped_steps_only_naming_the_leaves():
+  reports = []
+  tx = ols.LossScaleOptimizer(
+    optax.adam(0.1), ols.DynamicLossScale(8.0), on_skip=reports.append
+  )
+  params = {"a": jnp.ones(3), "b": {"c": jnp.ones((2, 2))}}
+  state = tx.init(params)
+  step = jax.jit(tx.apply_gradients)
+  good = jax.tree.map(jnp.ones_like, params)
+  params, state = step(good, state, params, value=jnp.float32(1))
+  jax.effects_barrier()
+  assert reports == []
+  bad = {"a": jnp.array([1.0, jnp.nan, jnp.inf]), "b": {"c": jnp.ones((2, 2))}}
+  params, state = step(bad, state, params, value=jnp.float32(1))
+  params, state = step(good, state, params, value=jnp.float32(jnp.nan))
+  jax.effects_barrier()
+  assert reports == [
+    ols.SkipReport(8.0, 4.0, 1, 1, True, {"['a']": 2}),
+    ols.SkipReport(4.0, 4.0, 2, 2, False, {}),
+  ]
+  _, state = jax.jit(tx.update)(bad, state, params)
+  jax.effects_barrier()
+  assert reports[-1].loss_finite is None and reports[-1].skipped_steps == 3
+
+
+def test_an_applied_step_with_on_skip_transfers_nothing():
+  calls = []
+  tx = ols.LossScaleOptimizer(
+    optax.adam(0.1),
+    ols.DynamicLossScale(8.0),
+    on_skip=calls.append,
+    max_consecutive_skips=3,
+  )
+  params = {"w": jnp.ones(4)}
+  state = tx.init(params)
+  step = jax.jit(tx.apply_gradients)
+  grads, value = {"w": jnp.ones(4)}, jnp.float32(1)
+  step(grads, state, params, value=value)  # compile outside the guard
+  with jax.transfer_guard("disallow"):
+    for _ in range(3):
+      params, state = step(grads, state, params, value=value)
+    jax.block_until_ready(params)
+  jax.effects_barrier()
+  assert calls == []
+
+
+def test_log_skip_logs_a_warning(caplog):
+  tx = ols.LossScaleOptimizer(
+    optax.sgd(0.1), ols.FixedLossScale(2), on_skip=ols.log_skip
+  )
+  params = {"w": jnp.ones(2)}
+  with caplog.at_level("WARNING", logger="optax_lossscale"):
+    jax.jit(tx.update)(
+      {"w": jnp.array([jnp.nan, 1.0])}, tx.init(params), params
+    )
+    jax.effects_barrier()
+  assert "skipped step (1 in a row, 1 in all)" in caplog.text
+  assert "['w'] (1)" in caplog.text
+
+
+# --- the stop rule ---------------------------------------------------------------------
+
+
+def _stop_run(donate):
+  tx = ols.LossScaleOptimizer(
+    optax.adam(0.1),
+    ols.DynamicLossScale(4.0, min_loss_scale=1.0),
+    max_consecutive_skips=3,
+  )
+  params = {"w": jnp.ones(3), "v": jnp.ones(2)}
+  state = tx.init(params)
+  step = jax.jit(tx.apply_gradients, donate_argnums=(1, 2) if donate else ())
+  bad = {"w": jnp.array([jnp.inf, 1.0, 1.0]), "v": jnp.ones(2)}
+  for _ in range(2):
+    params, state = step(bad, state, params, value=jnp.float32(2))
+  return step, bad, params, state
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_stop_rule_raises_from_a_plain_jit_step(donate):
+  step, bad, params, state = _stop_run(donate)
+  kept = jax.device_get((params, state))
+  with pytest.raises(jax.errors.JaxRuntimeError) as error:
+    jax.block_until_ready(step(bad, state, params, value=jnp.float32(2)))
+  message = str(error.value)
+  assert "3 consecutive steps skipped (max_consecutive_skips=3)" in message
+  assert "The loss scale is 1, at its floor (min_loss_scale)" in message
+  assert "The loss was finite" in message
+  assert "['w'] (1)" in message
+  assert "lower min_loss_scale" in message and "float32" in message
+  # The failing step is a skip: it wrote nothing. Arrays the caller holds
+  # (donated ones too, unless the backend consumed them) are bit for bit
+  # those from before it.
+  live = [x for x in jax.tree.leaves((params, state)) if not x.is_deleted()]
+  if not donate:
+    assert len(live) == len(jax.tree.leaves(kept))
+  for x, k in zip(
+    jax.tree.leaves((params, state)), jax.tree.leaves(kept), strict=True
+  ):
+    if not x.is_deleted():
+      np.testing.assert_array_equal(x, k)
+
+
+def test_stop_rule_says_when_the_loss_itself_was_not_finite():
+  tx = ols.LossScaleOptimizer(
+    optax.sgd(0.1), ols.DynamicLossScale(4.0), max_consecutive_skips=1
+  )
+  params = {"w": jnp.ones(2)}
+  with pytest.raises(jax.errors.JaxRuntimeError, match="NOT finite"):
+    jax.block_until_ready(
+      jax.jit(tx.apply_gradients)(
+        {"w": jnp.ones(2)}, tx.init(params), params, value=jnp.float32(jnp.nan)
+      )
+    )

@@ -1,0 +1,211 @@
+"""LossScaleOptimizer.minimize: one train step, retrying overflowed batches."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import optax_lossscale as ols
+
+pytestmark = [
+  pytest.mark.usefixtures("standard_promotion"),
+  pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+]
+
+X = jnp.linspace(-1.0, 1.0, 8).reshape(4, 2)
+
+
+def _loss(params, x):
+  h = x.astype(jnp.float16) @ params["w"].astype(jnp.float16)
+  return jnp.mean(h.astype(jnp.float32) ** 2) + jnp.sum(params["b"] ** 2)
+
+
+def _params():
+  return {"w": jnp.full((2, 3), 0.5), "b": jnp.ones(3)}
+
+
+def test_no_retries_equals_scaled_value_and_grad_then_apply_gradients():
+  tx = ols.LossScaleOptimizer(optax.adam(0.1), ols.DynamicLossScale(2.0**15, 3))
+  p1 = p2 = _params()
+  s1 = s2 = tx.init(p1)
+
+  @jax.jit
+  def manual(p, s, x):
+    loss, grads = ols.scaled_value_and_grad(_loss)(s, p, x)
+    p, s = ols.apply_gradients(tx, grads, s, p, value=loss)
+    return loss, p, s
+
+  step = jax.jit(lambda p, s, x: tx.minimize(_loss, p, s, x))
+  for i in range(8):
+    x = X * (1e4 if i == 2 else 1.0)  # one overflow
+    l1, p1, s1 = step(p1, s1, x)
+    l2, p2, s2 = manual(p2, s2, x)
+    assert float(l1) == float(l2)
+    chex.assert_trees_all_equal(s1.loss_scale, s2.loss_scale)
+    assert int(s1.skipped_steps) == int(s2.skipped_steps)
+  assert int(s1.skipped_steps) >= 1
+  chex.assert_trees_all_close((p1, s1), (p2, s2), rtol=1e-6)
+
+
+def test_retries_recompute_the_batch_at_a_lower_scale_and_apply_it():
+  traces, passes = [], []
+
+  def loss(params, x):
+    traces.append(1)
+    jax.debug.callback(lambda: passes.append(1))
+    return _loss(params, x)
+
+  ls = ols.DynamicLossScale(2.0**24, 100, hysteresis=3)
+  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ls)
+  params = _params()
+  state = tx.init(params)
+  step = jax.jit(
+    lambda p, s, x: tx.minimize(loss, p, s, x, max_retries=16),
+    donate_argnums=(0, 1),
+  )
+  value, params, state = step(params, state, X)
+  jax.effects_barrier()
+  assert len(traces) == 1  # traced once
+  retries = int(state.retries)
+  assert retries > 0 and len(passes) == retries + 1
+  assert int(state.skipped_steps) == 0 and bool(state.should_apply)
+  # Each retry halved the scale as TensorFlow does, whatever the hysteresis;
+  # the successful attempt then counts as a finite step.
+  scale = float(ols.get_loss_scale(state)())
+  assert scale == 2.0**24 / 2**retries
+  assert int(state.loss_scale.num_good_steps) == 1
+  assert int(state.loss_scale.hysteresis_budget) == 3
+  # The gradients scaled by that scale were finite; one scale higher was not.
+  scaled = jax.grad(lambda p: ols.FixedLossScale(scale).scale(_loss(p, X)))
+  assert bool(ols.all_finite(scaled(_params())))
+  higher = jax.grad(lambda p: ols.FixedLossScale(2 * scale).scale(_loss(p, X)))
+  assert not bool(ols.all_finite(higher(_params())))
+  # The next step runs one pass.
+  passes.clear()
+  _, params, state = step(params, state, X)
+  jax.effects_barrier()
+  assert len(passes) == 1 and int(state.retries) == retries
+
+
+def test_retries_stop_at_the_limit_then_skip_under_the_ordinary_rules():
+  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale(2.0**24))
+  params = _params()
+  _, new_params, state = tx.minimize(
+    _loss, params, tx.init(params), X, max_retries=2
+  )
+  assert int(state.retries) == 2 and int(state.skipped_steps) == 1
+  # Two retries (2**23, 2**22), then the skip halves once more.
+  assert float(ols.get_loss_scale(state)()) == 2.0**21
+  chex.assert_trees_all_equal(new_params, params)
+
+
+def test_retries_stop_at_min_loss_scale():
+  ls = ols.DynamicLossScale(2.0**24, min_loss_scale=2.0**23)
+  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ls)
+  params = _params()
+  _, _, state = tx.minimize(_loss, params, tx.init(params), X, max_retries=8)
+  assert int(state.retries) == 1 and int(state.skipped_steps) == 1
+  assert float(ols.get_loss_scale(state)()) == 2.0**23
+
+
+def test_no_retry_when_the_loss_is_not_finite():
+  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale(2.0**10))
+  params = _params()
+  state = tx.init(params)
+  value, _, state = tx.minimize(
+    _loss, params, state, X * jnp.nan, max_retries=8
+  )
+  assert int(state.retries) == 0 and int(state.skipped_steps) == 1
+  assert int(state.nonfinite_loss_steps) == 1
+  assert float(ols.get_loss_scale(state)()) == 2.0**10
+
+
+def test_has_aux_and_kwargs():
+  def loss(params, x, *, scale):
+    value = _loss(params, x) * scale
+    return value, {"double": 2 * value}
+
+  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale(2.0**20))
+  params = _params()
+  (value, aux), _, state = jax.jit(
+    lambda p, s: tx.minimize(
+      loss, p, s, X, scale=2.0, has_aux=True, max_retries=9
+    )
+  )(params, tx.init(params))
+  assert float(aux["double"]) == 2 * float(value)
+  assert int(state.skipped_steps) == 0
+
+
+@pytest.mark.parametrize(
+  "loss_scale", [ols.FixedLossScale(8), ols.NoOpLossScale()]
+)
+def test_max_retries_with_a_loss_scale_that_cannot_be_lowered(loss_scale):
+  tx = ols.LossScaleOptimizer(optax.sgd(0.1), loss_scale)
+  params = _params()
+  with pytest.raises(ValueError, match="max_retries"):
+    tx.minimize(_loss, params, tx.init(params), X, max_retries=1)
+  tx.minimize(_loss, params, tx.init(params), X)  # max_retries=0 is fine
+
+
+def test_max_retries_validation():
+  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale())
+  params = _params()
+  with pytest.raises(ValueError, match="max_retries"):
+    tx.minimize(_loss, params, tx.init(params), X, max_retries=-1)
+  with pytest.raises(TypeError, match="max_retries"):
+    tx.minimize(_loss, params, tx.init(params), X, max_retries=1.0)
+  with pytest.raises(TypeError, match="has_aux"):
+    tx.minimize(_loss, params, tx.init(params), X, has_aux=1)
+
+
+def test_calibration_first_batch_finds_a_workable_scale():
+  tx = ols.LossScaleOptimizer(optax.adam(1e-2), ols.DynamicLossScale(2.0**24))
+  params = _params()
+  state = tx.init(params)
+  step = jax.jit(lambda p, s: tx.minimize(_loss, p, s, X, max_retries=16))
+  for _ in range(20):
+    _, params, state = step(params, state)
+  assert int(state.skipped_steps) == 0 and int(state.retries) > 0
+
+
+def test_nnx_functional_step_with_minimize():
+  # The README's NNX recipe: split the model, minimize a pure function of the
+  # parameters, merge back.
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      kw = dict(dtype=jnp.float16, param_dtype=jnp.float32, rngs=rngs)
+      self.hidden = nnx.Linear(2, 8, **kw)
+      self.out = nnx.Linear(8, 1, **kw)
+
+    def __call__(self, x):
+      return self.out(jnp.tanh(self.hidden(x)))
+
+  model = Model(nnx.Rngs(0))
+  graphdef, params = nnx.split(model, nnx.Param)
+  tx = ols.LossScaleOptimizer(optax.adam(1e-2), ols.DynamicLossScale(2.0**24))
+  opt_state = tx.init(params)
+  y = jnp.sin(X[:, :1] * 3)
+
+  def loss_fn(params, x, y):
+    model = nnx.merge(graphdef, params)
+    return jnp.mean((model(x).astype(jnp.float32) - y) ** 2)
+
+  @jax.jit
+  def train_step(params, opt_state, x, y):
+    return tx.minimize(loss_fn, params, opt_state, x, y, max_retries=16)
+
+  losses = []
+  for _ in range(50):
+    loss, params, opt_state = train_step(params, opt_state, X, y)
+    losses.append(float(loss))
+  nnx.update(model, params)
+  assert losses[-1] < 0.5 * losses[0]
+  assert int(opt_state.skipped_steps) == 0
+  np.testing.assert_array_equal(
+    model.out.kernel.value, params["out"]["kernel"].value
+  )
