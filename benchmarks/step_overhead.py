@@ -62,6 +62,31 @@ def config_apply_gradients():
   return tx.init, step
 
 
+def _fused(**options):
+  """`LossScaleOptimizer.apply_gradients`; `options` for the failure modes."""
+  value = options.pop("value", None)
+  hysteresis = options.pop("hysteresis", 1)
+  tx = ols.LossScaleOptimizer(
+    _adam(), ols.DynamicLossScale(SCALE, hysteresis=hysteresis), **options
+  )
+
+  def step(params, state, grads):
+    extra = {} if value is None else {"value": jnp.float32(value)}
+    return tx.apply_gradients(grads, state, params, **extra)
+
+  return lambda: (tx.init, step)
+
+
+# The failure-mode options, each against the defaults (`--failure-modes`).
+FAILURE_MODES: dict[str, Callable[[], Any]] = {
+  "defaults": _fused(),
+  "hysteresis=2": _fused(hysteresis=2),
+  "value= passed": _fused(value=1.0),
+  "on_skip=log_skip": _fused(on_skip=ols.log_skip),
+  "max_consecutive_skips=100": _fused(max_consecutive_skips=100),
+}
+
+
 def config_unscale_gradients():
   return _optax_step(
     optax.chain(ols.unscale_gradients(ols.DynamicLossScale(SCALE)), _adam())
@@ -171,7 +196,7 @@ def prepare(name, params, grad_dtype, matmul=False):
   The gradients are an input of the step, or, with `matmul`, computed in the
   step as the gradient of a loss made of one matrix product per leaf.
   """
-  init, tx_step = CONFIGS[name]()
+  init, tx_step = {**CONFIGS, **FAILURE_MODES}[name]()
   if matmul:
     grads = _matmul_inputs(params)
 
@@ -261,7 +286,16 @@ def main() -> None:
     " minutes and GBs to compile at 400 leaves)",
   )
   parser.add_argument("--out", default="benchmarks")
+  parser.add_argument(
+    "--failure-modes",
+    action="store_true",
+    help="only the failure-mode options against the defaults, at 400 leaves"
+    " and on 16M parameters (writes FAILURE_MODES.md)",
+  )
   args = parser.parse_args()
+  if args.failure_modes:
+    failure_modes(args.out, 10 if args.quick else 30)
+    return
   repeats = 10 if args.quick else 30
   header = (
     f"jax {jax.__version__}, optax {optax.__version__}, "
@@ -409,6 +443,38 @@ def main() -> None:
   fig.suptitle(header, fontsize=7)
   fig.tight_layout()
   fig.savefig(f"{args.out}/step_overhead.png", dpi=80)
+
+
+def failure_modes(out: str, repeats: int) -> None:
+  """Step and compile ratios of each failure-mode option vs the defaults."""
+  lines = []
+  for workload, params in [
+    ("400 leaves x 1000", make_tree(400, 1000)),
+    ("16M / 8 leaves", make_tree(8, 2_000_000)),
+  ]:
+    runs = [prepare(name, params, jnp.float32) for name in FAILURE_MODES]
+    for _ in range(ROUNDS):
+      for r in runs:
+        time_steps(r, repeats // ROUNDS)
+    base = runs[0]
+    for r in runs:
+      step = float(np.median(r["times"])) / float(np.median(base["times"]))
+      compile_ratio = r["compile"] / base["compile"]
+      line = (
+        f"| {workload} | {r['name']} | {step:.2f}x | {compile_ratio:.2f}x |"
+      )
+      print(line, flush=True)
+      lines.append(line)
+  with open(f"{out}/FAILURE_MODES.md", "w") as f:
+    f.write(
+      "# Failure-mode options against the defaults\n\n"
+      "`python benchmarks/step_overhead.py --failure-modes`; jax"
+      f" {jax.__version__}, {jax.devices()[0].platform}. Ratios to the"
+      " default `LossScaleOptimizer.apply_gradients` step, in one process.\n\n"
+      "| workload | option | step | compile |\n|---|---|---|---|\n"
+      + "\n".join(lines)
+      + "\n"
+    )
 
 
 if __name__ == "__main__":

@@ -455,11 +455,23 @@ class LossScaleOptimizer:
         f" {max_retries}."
       )
 
+    return self._retried_step(attempt, loss_of, params, state, max_retries)
+
+  def _retried_step(
+    self,
+    attempt: Callable[[LossScale], tuple[Any, Any]],
+    loss_of: Callable[[Any], Any],
+    params: Any,
+    state: LossScaleOptimizerState,
+    max_retries: int,
+  ) -> tuple[Any, Any, LossScaleOptimizerState]:
+    """`minimize` with retries: the loop, then the one shared step."""
+
     def check(
       ls: LossScale, value: Any, grads: Any
     ) -> tuple[jax.Array, jax.Array]:
       grads_finite, loss_finite = verdicts(
-        call, ls, grads, loss_of(value), self.axis_name
+        "LossScaleOptimizer.minimize", ls, grads, loss_of(value), self.axis_name
       )
       assert loss_finite is not None  # a loss was given
       return grads_finite, loss_finite

@@ -209,3 +209,43 @@ def test_nnx_functional_step_with_minimize():
   np.testing.assert_array_equal(
     model.out.kernel.value, params["out"]["kernel"].value
   )
+
+
+def test_linen_train_state_with_minimize():
+  # The README's linen recipe: TrainState holds the optimizer itself.
+  from flax import linen as nn
+  from flax.training import train_state
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = nn.Dense(8, dtype=jnp.float16, param_dtype=jnp.float32)(x)
+      return nn.Dense(1, dtype=jnp.float16, param_dtype=jnp.float32)(x)
+
+  model = Model()
+  tx = ols.LossScaleOptimizer(optax.adam(1e-2), ols.DynamicLossScale(2.0**24))
+  state = train_state.TrainState.create(
+    apply_fn=model.apply,
+    params=model.init(jax.random.PRNGKey(0), X)["params"],
+    tx=tx,
+  )
+  y = jnp.sin(X[:, :1] * 3)
+
+  @jax.jit
+  def train_step(state, x, y):
+    def loss_fn(params):
+      pred = state.apply_fn({"params": params}, x).astype(jnp.float32)
+      return jnp.mean((pred - y) ** 2)
+
+    loss, params, opt_state = state.tx.minimize(
+      loss_fn, state.params, state.opt_state, max_retries=4
+    )
+    return state.replace(
+      step=state.step + 1, params=params, opt_state=opt_state
+    ), loss
+
+  losses = []
+  for _ in range(40):
+    state, loss = train_step(state, X, y)
+    losses.append(float(loss))
+  assert losses[-1] < 0.5 * losses[0] and int(state.step) == 40

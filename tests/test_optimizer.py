@@ -292,7 +292,7 @@ def test_dynamic_loss_scale_validates_hyperparameters_with_state_fields():
   ls = ols.DynamicLossScale(4.0, hysteresis=3)
   shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), ls)
   assert isinstance(shapes, ols.DynamicLossScale)
-  assert jax.jit(lambda l: l)(ls).hysteresis == 3
+  assert jax.jit(lambda x: x)(ls).hysteresis == 3
 
 
 def test_device_state_is_not_read_on_construction():
