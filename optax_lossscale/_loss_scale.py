@@ -394,7 +394,7 @@ class _Fresh:
 _FRESH: Any = _Fresh()
 
 
-@jax.tree_util.register_dataclass
+# Registered as a pytree below the class, keyed by field name.
 @dataclasses.dataclass(frozen=True, eq=False)
 class DynamicLossScale(LossScale):
   """A loss scale that adapts to the gradients: TensorFlow's algorithm.
@@ -426,10 +426,11 @@ class DynamicLossScale(LossScale):
   The array state is `current_loss_scale` (float32), `num_good_steps`
   (int32) and, when `hysteresis > 1`, `hysteresis_budget` (int32; None
   otherwise, so a default loss scale has TensorFlow's two leaves). The
-  hyperparameters are static and validated on every construction. Pass the
-  state fields only to rebuild a loss scale from saved arrays; values given as
-  Python or NumPy numbers are checked element by element (device arrays are
-  not read, which would synchronise with the device).
+  hyperparameters are static and validated on every construction, also when
+  the state fields are passed and when a pytree is unflattened. Pass the state
+  fields only to rebuild a loss scale from saved arrays (they are not read:
+  unflattening passes arbitrary leaves, and reading a device array would
+  synchronise with it).
 
   Args:
     initial_loss_scale: the starting scale. The default, 2**15, is about half
@@ -450,8 +451,8 @@ class DynamicLossScale(LossScale):
   Raises:
     TypeError: if an argument has the wrong type (bools and strings included).
     ValueError: if `increment_period < 1`, `multiplier <= 1`, `hysteresis < 1`,
-      `0 < min_loss_scale <= initial_loss_scale <= max_loss_scale` does not
-      hold with finite float32 values, or a restored state is out of range.
+      or `0 < min_loss_scale <= initial_loss_scale <= max_loss_scale` does not
+      hold with finite float32 values.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -495,8 +496,8 @@ class DynamicLossScale(LossScale):
 
   def __post_init__(self) -> None:
     # Runs on every construction, unflattening included (with arbitrary
-    # leaves: tracers, shardings, None). Hyperparameters are Python values
-    # and always checked; the state only when it is host numbers.
+    # leaves: tracers, shardings, None, NumPy zeros). Hyperparameters are
+    # Python values and always checked; the state is not read.
     self._validate()
     if self.current_loss_scale is _FRESH:
       scale = jnp.asarray(self.initial_loss_scale, jnp.float32)
@@ -508,7 +509,7 @@ class DynamicLossScale(LossScale):
       if self.hysteresis > 1:
         budget = jnp.asarray(self.hysteresis, jnp.int32)
       object.__setattr__(self, "hysteresis_budget", budget)
-    self._validate_state()
+    self._check_budget()
 
   def _validate(self) -> None:
     call = "DynamicLossScale"
@@ -561,31 +562,15 @@ class DynamicLossScale(LossScale):
     ]:
       object.__setattr__(self, name, value)
 
-  def _validate_state(self) -> None:
-    call = "DynamicLossScale"
-    maximum = _validation.FLOAT32_MAX
-    if self.max_loss_scale is not None:
-      maximum = self.max_loss_scale
-    _validation.host_state_in_range(
-      call,
-      "current_loss_scale",
-      self.current_loss_scale,
-      self.min_loss_scale,
-      maximum,
-    )
-    _validation.host_state_in_range(
-      call, "num_good_steps", self.num_good_steps, 0, self.increment_period - 1
-    )
-    if self.hysteresis == 1:
-      if isinstance(self.hysteresis_budget, (numbers.Real, np.ndarray)):
+  def _check_budget(self) -> None:
+    if self.hysteresis == 1 and self.hysteresis_budget is not None:
+      if isinstance(
+        self.hysteresis_budget, (numbers.Real, np.ndarray, np.generic)
+      ):
         raise ValueError(
-          f"`{call}(hysteresis_budget=...)` must be None when hysteresis=1,"
-          f" got {self.hysteresis_budget!r:.80}."
+          "`DynamicLossScale(hysteresis_budget=...)` must be None when"
+          f" hysteresis=1, got {self.hysteresis_budget!r:.80}."
         )
-    else:
-      _validation.host_state_in_range(
-        call, "hysteresis_budget", self.hysteresis_budget, 0, self.hysteresis
-      )
 
   def __call__(self) -> jax.Array:
     # `asarray` unwraps containers such as Flax NNX's optimizer variables.
@@ -684,3 +669,36 @@ class DynamicLossScale(LossScale):
       A new `DynamicLossScale` in its initial state.
     """
     return super().from_config(config)
+
+
+_DYNAMIC_STATE = ("current_loss_scale", "num_good_steps", "hysteresis_budget")
+_DYNAMIC_STATIC = tuple(
+  f.name
+  for f in dataclasses.fields(DynamicLossScale)
+  if f.metadata.get("static")
+)
+
+
+def _flatten_dynamic(
+  ls: DynamicLossScale,
+) -> tuple[list[tuple[Any, Any]], tuple[Any, ...]]:
+  # The budget is a leaf only when `hysteresis > 1`, and not even a None node
+  # otherwise: a default loss scale has exactly 0.1.0's two keyed leaves, so
+  # checkpoints (whose metadata records None nodes too) still load.
+  names = _DYNAMIC_STATE if ls.hysteresis > 1 else _DYNAMIC_STATE[:2]
+  children = [(jax.tree_util.GetAttrKey(n), getattr(ls, n)) for n in names]
+  return children, tuple(getattr(ls, n) for n in _DYNAMIC_STATIC)
+
+
+def _unflatten_dynamic(
+  static: tuple[Any, ...], children: Any
+) -> DynamicLossScale:
+  kwargs = dict(zip(_DYNAMIC_STATIC, static, strict=True))
+  state = dict(zip(_DYNAMIC_STATE, children, strict=False))
+  state.setdefault("hysteresis_budget", None)
+  return DynamicLossScale(**kwargs, **state)
+
+
+jax.tree_util.register_pytree_with_keys(
+  DynamicLossScale, _flatten_dynamic, _unflatten_dynamic
+)

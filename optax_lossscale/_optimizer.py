@@ -204,9 +204,11 @@ class LossScaleOptimizer:
   Raises:
     TypeError: if an argument has the wrong type.
     ValueError: if `max_consecutive_skips < 1`.
-    jax.errors.JaxRuntimeError: from a train step, when the stop rule fires.
-      Its message carries the `max_consecutive_skips` report (scale, loss,
-      the non-finite leaves and the likely fix). The failing step is a skip:
+    jax.errors.JaxRuntimeError: from a train step, when the stop rule fires:
+      from the call itself on the CPU, or, where dispatch is asynchronous,
+      from the first operation that waits on the step's results. Its message
+      carries the `max_consecutive_skips` report (scale, loss, the
+      non-finite leaves and the likely fix). The failing step is a skip:
       it writes nothing. Without donation, the caller still holds the
       parameters and optimizer state from before it; donated arrays are
       consumed by the call, as always with donation.
@@ -393,7 +395,11 @@ class LossScaleOptimizer:
     step (a `lax.while_loop` whose predicate all replicas agree on). The
     attempt that succeeds is applied as a finite step, so the batch is not
     lost; retries stop early when the scale cannot be lowered any more or the
-    loss is not finite, and the step is then skipped as usual. `fun` is
+    loss is not finite, and the step is then skipped as usual, from the last
+    attempt's scale (which a `SkipReport` then shows as `loss_scale`): a
+    dynamic scale that ran out of retries is lowered once more. The loop
+    carries a gradient-sized buffer, so the gradients are written out before
+    the update. `fun` is
     traced once; a step runs one forward and backward pass, and one more per
     retry.
 

@@ -51,10 +51,15 @@ class LossScaleOptimizerState(NamedTuple):
     consecutive_skipped_steps: how many steps were skipped since the last
       applied one (int32).
     nonfinite_loss_steps: how many of the skipped steps had a non-finite loss
-      (`value=`), int32. None in a state restored from a 0.1.0 checkpoint;
-      it then stays None.
+      (`value=`), int32.
     retries: how many times `minimize` recomputed a batch at a lower scale
-      (int32). None in a state restored from a 0.1.0 checkpoint.
+      (int32).
+
+  A 0.1.0 checkpoint (five fields) restores into a dict of the first five
+  fields, `{k: v for k, v in tx.init(params)._asdict().items() if k not in
+  ("nonfinite_loss_steps", "retries")}`, and then into the full state with
+  `tx.init(params)._replace(**restored)`. A state whose two new counters are
+  None steps too, and keeps them None.
 
   Examples:
     >>> import jax.numpy as jnp

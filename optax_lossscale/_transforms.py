@@ -182,10 +182,10 @@ def apply_gradients(
   optimizer = optimizer_of(tx)
   if optimizer is not None:
     return optimizer.apply_gradients(grads, opt_state, params, **extra_args)
-  if not isinstance(tx, optax.GradientTransformation):
+  if not callable(getattr(tx, "update", None)):
     raise TypeError(
-      "`apply_gradients(tx=...)` must be an Optax transformation or a"
-      f" LossScaleOptimizer, got {type(tx).__name__}."
+      "`apply_gradients(tx=...)` must be an Optax transformation (anything"
+      f" with `update`) or a LossScaleOptimizer, got {type(tx).__name__}."
     )
   updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
   new_params: optax.Params = optax.apply_updates(params, updates)

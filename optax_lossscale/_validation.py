@@ -80,28 +80,3 @@ def boolean(call: str, name: str, value: Any) -> bool:
       f" {value!r:.80}."
     )
   return bool(value)
-
-
-def host_state_in_range(
-  call: str, name: str, value: Any, low: float, high: float
-) -> None:
-  """Checks array state given as host numbers, element by element.
-
-  Python and NumPy numbers (a state restored to the host) are checked; device
-  arrays, tracers and any other leaf (a sharding, a shape, the bools of an
-  Equinox filter spec) are left alone: unflattening builds such trees, and
-  reading a device array would synchronise with it.
-  """
-  if isinstance(value, (bool, np.bool_)) or not isinstance(
-    value, (numbers.Real, np.ndarray, np.generic)
-  ):
-    return
-  array = np.asarray(value)
-  if array.dtype.kind not in "iuf":
-    return
-  bad = ~(np.isfinite(array) & (array >= low) & (array <= high))
-  if np.any(bad):
-    raise ValueError(
-      f"`{call}({name}=...)` must be in [{low!r}, {high!r}], got"
-      f" {array[bad].ravel()[0].item()!r} (in {np.array2string(array, threshold=8)})."
-    )

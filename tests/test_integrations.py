@@ -293,3 +293,42 @@ def test_train_with_configs_written_by_tensorflow_and_keras(config):
   assert scales == [s for s, _, _ in ref]
   assert not all(applied) and any(applied)
   assert bool(jnp.all(jnp.isfinite(params["w1"])))
+
+
+def test_orbax_checkpoint_in_the_0_1_0_layout_restores(tmp_path):
+  # 0.1.0's optimizer state had five fields; its DynamicLossScale the same
+  # two keyed leaves as a default one today.
+  import typing
+
+  class State010(typing.NamedTuple):
+    loss_scale: typing.Any
+    inner_state: typing.Any
+    should_apply: typing.Any
+    skipped_steps: typing.Any
+    consecutive_skipped_steps: typing.Any
+
+  tx = ols.LossScaleOptimizer(
+    optax.adam(1e-2), ols.DynamicLossScale(2.0**15, 4)
+  )
+  params = _mlp_params()
+  new = tx.init(params)
+  old = State010(*new[:5])._replace(skipped_steps=jnp.int32(3))
+  path = tmp_path / "ckpt010"
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(path, {"params": params, "opt_state": old})
+  target = {
+    k: v
+    for k, v in tx.init(params)._asdict().items()
+    if k not in ("nonfinite_loss_steps", "retries")
+  }
+  with ocp.StandardCheckpointer() as checkpointer:
+    restored = checkpointer.restore(
+      path, {"params": params, "opt_state": target}
+    )
+  state = tx.init(params)._replace(**restored["opt_state"])
+  assert int(state.skipped_steps) == 3 and int(state.retries) == 0
+  assert isinstance(state.loss_scale, ols.DynamicLossScale)
+  _, state = jax.jit(tx.apply_gradients)(
+    jax.tree.map(jnp.ones_like, params), state, params
+  )
+  assert bool(state.should_apply)

@@ -273,21 +273,11 @@ def test_dynamic_loss_scale_validates_hyperparameters_with_state_fields():
       current_loss_scale=jnp.float32(4),
       num_good_steps=jnp.int32(0),
     )
-  with pytest.raises(ValueError, match="current_loss_scale"):
-    ols.DynamicLossScale(4.0, current_loss_scale=np.float32(0.5))
-  with pytest.raises(ValueError, match="current_loss_scale"):
-    ols.DynamicLossScale(4.0, current_loss_scale=np.array([8.0, np.nan]))
-  with pytest.raises(ValueError, match="num_good_steps"):
-    ols.DynamicLossScale(4.0, 10, num_good_steps=np.int32(10))
   with pytest.raises(ValueError, match="hysteresis_budget"):
-    ols.DynamicLossScale(4.0, hysteresis=2, hysteresis_budget=np.int32(3))
-  # A pmap state (a leading replica axis) is checked element by element.
-  ok = ols.DynamicLossScale(
-    4.0,
-    current_loss_scale=np.full(4, 8.0, np.float32),
-    num_good_steps=np.zeros(4, np.int32),
-  )
-  assert ols.serialize(ok) == ols.serialize(ols.DynamicLossScale(4.0))
+    ols.DynamicLossScale(4.0, hysteresis_budget=np.int32(3))
+  # Unflattening with host zeros (a tree map) is left alone.
+  zeros = jax.tree.map(np.zeros_like, ols.DynamicLossScale(4.0, hysteresis=2))
+  assert zeros.hysteresis == 2 and float(zeros.current_loss_scale) == 0
   # Unflattening with arbitrary leaves (tracers, shardings) still works.
   ls = ols.DynamicLossScale(4.0, hysteresis=3)
   shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), ls)
