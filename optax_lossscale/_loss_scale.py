@@ -112,8 +112,9 @@ class LossScale(abc.ABC):
         step are all finite, as `all_finite` computes it.
 
     Returns:
-      The loss scale for the next step and a bool scalar `jax.Array` saying
-      whether the gradients of this step should be applied.
+      The loss scale for the next step, of the same pytree structure as this
+      one (it is carried through `lax.cond` and `lax.scan`), and a bool scalar
+      `jax.Array` saying whether the gradients of this step should be applied.
     """
 
   @abc.abstractmethod
@@ -504,6 +505,15 @@ class DynamicLossScale(LossScale):
       object.__setattr__(self, "current_loss_scale", scale)
     if self.num_good_steps is _FRESH:
       object.__setattr__(self, "num_good_steps", jnp.zeros((), jnp.int32))
+    for name, dtype in [
+      ("current_loss_scale", np.float32),
+      ("num_good_steps", np.int32),
+      ("hysteresis_budget", np.int32),
+    ]:
+      value = getattr(self, name)
+      if isinstance(value, (int, float)) and not isinstance(value, bool):
+        # A Python number would become a weakly typed array: another trace.
+        object.__setattr__(self, name, np.asarray(value, dtype))
     if self.hysteresis_budget is _FRESH:
       budget = None
       if self.hysteresis > 1:

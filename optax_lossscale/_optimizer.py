@@ -111,6 +111,13 @@ def decide(
   unchanged: a lower scale cannot fix a non-finite forward pass.
   """
   new_loss_scale, should_apply = loss_scale.adjust(grads_finite)
+  if not jax.tree.structure(new_loss_scale) == jax.tree.structure(loss_scale):  # type: ignore[operator]
+    raise TypeError(
+      f"`{type(loss_scale).__name__}.adjust` must return a loss scale of the"
+      " same pytree structure as its own (it is carried through `lax.cond`"
+      f" and `lax.scan`), got {jax.tree.structure(new_loss_scale)} for"
+      f" {jax.tree.structure(loss_scale)}."
+    )
   if skip_nonfinite:
     should_apply &= grads_finite
   if loss_finite is not None:

@@ -197,6 +197,209 @@ def train(
   }
 
 
+# --- failure modes: a NaN loss and an overflowing batch, injected ----------
+
+# The overflowing batch: its loss is weighted by this (as an outlier batch of
+# huge per-example losses would be). Its loss stays finite in float32; times
+# the loss scale, its float16 gradients overflow.
+OVERFLOW_WEIGHT = 2.0**12
+
+
+def _weighted_loss(
+  params: Any, x: jax.Array, y: jax.Array, weight: jax.Array
+) -> jax.Array:
+  return weight * _loss(params, x, y, jnp.float16)
+
+
+def _make_fault_chunk(tx: ols.LossScaleOptimizer) -> Any:
+  """A jitted `lax.scan` of float16 steps whose batches may be corrupted."""
+
+  def step(
+    carry: tuple[Any, Any], batch: tuple[jax.Array, ...]
+  ) -> tuple[tuple[Any, Any], dict[str, jax.Array]]:
+    params, state = carry
+    x, y, nan, weight = batch
+    x = jnp.where(nan, jnp.nan, x)  # NaN inputs: a failed forward pass
+    before = ols.get_loss_scale(state)()
+    loss, grads = ols.scaled_value_and_grad(_weighted_loss)(
+      state, params, x, y, weight
+    )
+    params, state = tx.apply_gradients(grads, state, params, value=loss)
+    stats = {
+      "loss": loss,
+      "scale_before": before,
+      "loss_scale": ols.get_loss_scale(state)(),
+    }
+    return (params, state), stats
+
+  @jax.jit
+  def chunk(
+    params: Any, state: Any, x: jax.Array, y: jax.Array, *xs: jax.Array
+  ) -> tuple[Any, Any, dict[str, jax.Array]]:
+    indices, nan, weight = xs
+    batches = (x[indices], y[indices], nan, weight)
+    (params, state), stats = jax.lax.scan(step, (params, state), batches)
+    return params, state, stats
+
+  return chunk
+
+
+def failure_modes(
+  hysteresis: int, data: tuple[np.ndarray, ...], args: Any
+) -> dict[str, Any]:
+  """Trains in float16 with a NaN-loss step and an overflowing step injected.
+
+  The NaN inputs come at step `steps // 3`, the overflowing batch at
+  `2 * steps // 3` (1-based); `on_skip` collects the reports.
+  """
+  x_train, y_train = jnp.asarray(data[0]), jnp.asarray(data[1])
+  reports: list[ols.SkipReport] = []
+  tx = ols.LossScaleOptimizer(
+    optax.adam(LEARNING_RATE),
+    ols.DynamicLossScale(increment_period=200, hysteresis=hysteresis),
+    on_skip=reports.append,
+  )
+  params = _init(jax.random.PRNGKey(args.seed))
+  state = tx.init(params)
+  nan_step, overflow_step = max(args.steps // 3, 1), max(2 * args.steps // 3, 2)
+  nan = np.zeros(args.steps, bool)
+  weight = np.ones(args.steps, np.float32)
+  nan[nan_step - 1] = True
+  weight[overflow_step - 1] = OVERFLOW_WEIGHT
+  run_chunk = _make_fault_chunk(tx)
+  rng = np.random.RandomState(args.seed + 1)
+  chunks = []
+  for start in range(0, args.steps, CHUNK):
+    stop = min(start + CHUNK, args.steps)
+    indices = rng.randint(0, len(data[0]), (stop - start, args.batch_size))
+    params, state, stats = run_chunk(
+      params,
+      state,
+      x_train,
+      y_train,
+      indices,
+      nan[start:stop],
+      weight[start:stop],
+    )
+    chunks.append(jax.device_get(stats))
+  history = {k: np.concatenate([c[k] for c in chunks]) for k in chunks[0]}
+  reports.sort(key=lambda r: r.skipped_steps)  # callbacks may come unordered
+  assert state.nonfinite_loss_steps is not None  # a fresh state counts them
+  return {
+    "hysteresis": hysteresis,
+    "history": history,
+    "injected": {"NaN inputs": nan_step, "overflowing batch": overflow_step},
+    "reports": reports,
+    "skipped": int(state.skipped_steps),
+    "nonfinite_loss": int(state.nonfinite_loss_steps),
+  }
+
+
+def _describe_faults(run: dict[str, Any]) -> list[str]:
+  h = run["history"]
+  lines = [
+    f"DynamicLossScale(increment_period=200, hysteresis={run['hysteresis']}):"
+  ]
+  lines += [f"  log: {ols.format_skip(r)}" for r in run["reports"]]
+  for what, step in run["injected"].items():
+    before, after = h["scale_before"][step - 1], h["loss_scale"][step - 1]
+    verdict = "unchanged" if after == before else "lowered"
+    if after == before and what == "overflowing batch":
+      verdict += ": hysteresis spent its budget instead"
+    lines.append(
+      f"  step {step} ({what}, loss {h['loss'][step - 1]:.4g}): loss scale"
+      f" {before:g} -> {after:g} ({verdict})"
+    )
+  lines.append(
+    f"  {run['skipped']} steps skipped, {run['nonfinite_loss']} of them with"
+    " a non-finite loss"
+  )
+  return lines
+
+
+# --- dropped batches: TensorFlow's defaults against retries -----------------
+
+
+def _summed_loss(params: Any, x: jax.Array, y: jax.Array) -> jax.Array:
+  # Summed, not averaged, over the batch: a loss whose float16 gradients
+  # overflow at 2**15 (Adam's steps do not depend on the factor).
+  return x.shape[0] * _loss(params, x, y, jnp.float16)
+
+
+def dropped_batches(data: tuple[np.ndarray, ...], args: Any) -> dict[str, int]:
+  """Batches dropped in the first 100 steps (of the summed loss), two ways.
+
+  TensorFlow's defaults (`DynamicLossScale()`: 2**15, increment period 2000)
+  through `apply_gradients`, which drops each overflowed batch, against
+  `DynamicLossScale(initial_loss_scale=2**24)` and `minimize(...,
+  max_retries=16)`, which recomputes it at a lower scale.
+  """
+  steps = min(100, args.steps)
+  tf_tx = ols.LossScaleOptimizer(
+    optax.adam(LEARNING_RATE), ols.DynamicLossScale()
+  )
+  retry_tx = ols.LossScaleOptimizer(
+    optax.adam(LEARNING_RATE), ols.DynamicLossScale(initial_loss_scale=2**24)
+  )
+
+  def tf_step(carry: Any, batch: Any) -> tuple[Any, None]:
+    params, state = carry
+    loss, grads = ols.scaled_value_and_grad(_summed_loss)(state, params, *batch)
+    return tf_tx.apply_gradients(grads, state, params), None
+
+  def retry_step(carry: Any, batch: Any) -> tuple[Any, None]:
+    _, params, state = retry_tx.minimize(
+      _summed_loss, *carry, *batch, max_retries=16
+    )
+    return (params, state), None
+
+  @jax.jit
+  def run(params: Any, indices: jax.Array) -> tuple[Any, Any]:
+    batches = (jnp.asarray(data[0])[indices], jnp.asarray(data[1])[indices])
+    (_, tf_state), _ = jax.lax.scan(
+      tf_step, (params, tf_tx.init(params)), batches
+    )
+    (_, retry_state), _ = jax.lax.scan(
+      retry_step, (params, retry_tx.init(params)), batches
+    )
+    return tf_state, retry_state
+
+  rng = np.random.RandomState(args.seed + 2)
+  indices = rng.randint(0, len(data[0]), (steps, args.batch_size))
+  tf_state, retry_state = run(_init(jax.random.PRNGKey(args.seed)), indices)
+  return {
+    "steps": steps,
+    "tf_dropped": int(tf_state.skipped_steps),
+    "tf_scale": float(ols.get_loss_scale(tf_state)()),
+    "retry_dropped": int(retry_state.skipped_steps),
+    "retries": int(retry_state.retries),
+    "retry_scale": float(ols.get_loss_scale(retry_state)()),
+  }
+
+
+def _failure_text(faults: list[dict[str, Any]], dropped: dict[str, int]) -> str:
+  lines = [
+    "\nFailure modes, float16, same network: NaN inputs at one step (the loss"
+    f" is NaN) and, at another, a batch whose loss is weighted by"
+    f" {OVERFLOW_WEIGHT:g} (finite loss, overflowing float16 gradients);"
+    " the loss is passed as value=, on_skip collects the reports."
+  ]
+  for run in faults:
+    lines += _describe_faults(run)
+  n = dropped["steps"]
+  lines += [
+    f"\nBatches dropped in the first {n} steps, with the loss summed (not"
+    " averaged) over the batch so that 2**15 overflows:",
+    f"  TensorFlow's defaults, DynamicLossScale() (2**15, increment period"
+    f" 2000), apply_gradients: {dropped['tf_dropped']} dropped; loss scale"
+    f" now {dropped['tf_scale']:g}",
+    f"  DynamicLossScale(initial_loss_scale=2**24), minimize(max_retries=16):"
+    f" {dropped['retry_dropped']} dropped, {dropped['retries']} retries;"
+    f" loss scale now {dropped['retry_scale']:g}",
+  ]
+  return "\n".join(lines)
+
+
 def _table(results: list[dict[str, Any]]) -> str:
   header = (
     f"{'run':<50}{'final loss':>11}{'test acc':>10}"
@@ -213,11 +416,13 @@ def _table(results: list[dict[str, Any]]) -> str:
   return "\n".join(lines)
 
 
-def _plot(results: list[dict[str, Any]], path: str) -> None:
+def _plot(
+  results: list[dict[str, Any]], faults: list[dict[str, Any]], path: str
+) -> None:
   matplotlib = _require("matplotlib")
   matplotlib.use("Agg")
   plt = _require("matplotlib.pyplot")
-  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+  fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 3.8))
   # The scaled runs follow the float32 reference closely: dashed and dotted
   # lines keep every curve visible.
   styles = ["-", "-", "--", ":"]
@@ -229,11 +434,27 @@ def _plot(results: list[dict[str, Any]], path: str) -> None:
     )
     if "LossScale(" in r["name"]:
       ax2.plot(r["history"]["loss_scale"], label=r["name"])
+  for f, style in zip(faults, ["-", "--"], strict=False):
+    ax3.plot(
+      np.arange(1, len(f["history"]["loss_scale"]) + 1),
+      f["history"]["loss_scale"],
+      style,
+      label=f"hysteresis={f['hysteresis']}",
+    )
+  if faults:
+    for (what, step), color in zip(
+      faults[0]["injected"].items(), ["tab:red", "tab:purple"], strict=True
+    ):
+      ax3.axvline(
+        step, color=color, linestyle=":", label=f"{what} (step {step})"
+      )
   ax1.set(title="training loss (10-step mean)", xlabel="step", yscale="log")
   ax2.set(title="loss scale", xlabel="step", yscale="log")
-  ax2.set_yscale("log", base=2)
-  ax1.legend(fontsize=8)
-  ax2.legend(fontsize=8)
+  ax3.set(title="loss scale, faults injected (float16)", xlabel="step")
+  for ax in (ax2, ax3):
+    ax.set_yscale("log", base=2)
+  for ax in (ax1, ax2, ax3):
+    ax.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=90)
 
@@ -286,7 +507,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   results = [train(name, dtype, ls, data, args) for name, dtype, ls in RUNS]
   print()
   print(_table(results))
-  _plot(results, args.out)
+  faults = [failure_modes(h, data, args) for h in (1, 2)]
+  dropped = dropped_batches(data, args)
+  print(_failure_text(faults, dropped))
+  _plot(results, faults, args.out)
   print(
     f"\nPlot written to {args.out}; {time.perf_counter() - start:.0f} s in all."
   )
