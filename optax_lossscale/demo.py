@@ -18,6 +18,17 @@ late or not at all, and the network ends well behind the float32 reference;
 with either loss scale it matches the reference. Adam's steps do not depend on
 the size of the gradients, so in float32 (and in scaled float16) the small
 gradients still train the first layers.
+
+It then shows what goes wrong in float16 and what handles it. On the same
+network, with `DynamicLossScale` and the loss passed as `value=`, it injects
+NaN inputs at one step (a non-finite loss: skipped, the scale unchanged) and,
+at another, a batch whose loss is weighted by `OVERFLOW_WEIGHT` (a finite loss
+whose float16 gradients overflow: skipped, the scale halved, or kept with
+`hysteresis=2`), and prints the `on_skip` reports. Last, with the loss summed
+over the batch so that 2**15 overflows, it counts the batches dropped in the
+first 100 steps with TensorFlow's defaults (`DynamicLossScale()` through
+`apply_gradients`) and with `DynamicLossScale(initial_loss_scale=2**24)` and
+`minimize(..., max_retries=16)`.
 """
 
 from __future__ import annotations

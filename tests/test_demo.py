@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import builtins
 import importlib
+import re
 
 import pytest
 
@@ -31,6 +32,44 @@ def test_demo_runs_and_writes_a_png(tmp_path, capsys, monkeypatch):
   assert results[2]["first_underflow"] == results[3]["first_underflow"] == 0.0
   printed = capsys.readouterr().out
   assert "Setting:" in printed and "loss scale" in printed
+  _check_failure_modes(printed)
+  _check_dropped_batches(printed)
+
+
+def _check_failure_modes(printed):
+  # Two runs (hysteresis 1 and 2), each with NaN inputs at step 5 and an
+  # overflowing batch at step 10 of 15; each skip is logged by on_skip.
+  assert printed.count("log: skipped step") == 4
+  assert printed.count("loss NON-FINITE") == 2
+  nan_steps = re.findall(
+    r"step 5 \(NaN inputs, loss nan\): loss scale (\S+) -> (\S+) \((\w+)",
+    printed,
+  )
+  assert len(nan_steps) == 2
+  for before, after, verdict in nan_steps:  # a NaN loss leaves the scale
+    assert before == after and verdict == "unchanged"
+  overflow = re.findall(
+    r"step 10 \(overflowing batch, loss (\S+)\): loss scale (\S+) -> (\S+)",
+    printed,
+  )
+  assert len(overflow) == 2
+  (loss_1, before_1, after_1), (loss_2, before_2, after_2) = overflow
+  assert float(loss_1) < float("inf") and float(loss_2) < float("inf")
+  assert float(after_1) == float(before_1) / 2  # hysteresis=1 lowers it
+  assert after_2 == before_2  # hysteresis=2 spends its budget instead
+  skipped = re.findall(r"(\d+) steps skipped, (\d+) of them", printed)
+  assert skipped == [("2", "1"), ("2", "1")]
+
+
+def _check_dropped_batches(printed):
+  assert "first 15 steps" in printed
+  tf_dropped = re.search(r"apply_gradients: (\d+) dropped", printed)
+  retry = re.search(
+    r"minimize\(max_retries=16\): (\d+) dropped, (\d+) retries", printed
+  )
+  assert tf_dropped and retry
+  assert int(tf_dropped.group(1)) > 0  # 2**15 overflows the summed loss
+  assert int(retry.group(1)) == 0 and int(retry.group(2)) > 0
 
 
 def test_demo_help_lists_the_flags(capsys):
