@@ -551,13 +551,18 @@ class LossScaleOptimizer:
       state.loss_scale, grads_finite, loss_finite, self.skip_nonfinite
     )
 
-    def skipped(params: Any, inner_state: Any) -> tuple[Any, Any]:
-      self._report(grads, state, decision)
-      return skip(params, inner_state)
-
     out, inner_state = lax.cond(
-      decision.should_apply, apply, skipped, params, state.inner_state
+      decision.should_apply, apply, skip, params, state.inner_state
     )
+    if self.on_skip is not None or self.max_consecutive_skips is not None:
+      # A cond of its own: inside the update's, the gradients would become
+      # operands of the conditional that carries parameters and state, and
+      # XLA copies them there on every step.
+      lax.cond(
+        decision.should_apply,
+        lambda: None,
+        lambda: self._report(grads, state, decision),
+      )
     return out, self._next_state(state, decision, inner_state, retries)
 
   def _next_state(

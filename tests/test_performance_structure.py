@@ -165,8 +165,9 @@ def test_half_precision_leaves_are_not_converted_whole(dtype):
   ids=["on_skip", "stop_rule", "both"],
 )
 def test_skip_reports_add_no_pass_outside_the_cond(options):
-  # The per-leaf counts are computed inside the skip branch only: outside the
-  # cond, the gradients are still reduced exactly once.
+  # The per-leaf counts are computed inside a skip branch only (a cond of its
+  # own, beside the update's): outside the conds, the gradients are still
+  # reduced exactly once.
   n, shape = 4, (300, 300)
   tx = ols.LossScaleOptimizer(
     optax.adam(1e-3), ols.DynamicLossScale(), **options
@@ -176,5 +177,5 @@ def test_skip_reports_add_no_pass_outside_the_cond(options):
     lambda g, s, p: tx.apply_gradients(g, s, p, value=jnp.float32(1))
   )(params, tx.init(params), params).jaxpr
   assert _reduced_elements(jaxpr, n) == n * shape[0] * shape[1]
-  assert sum(e.primitive is lax.cond_p for e in jaxpr.eqns) == 1
+  assert sum(e.primitive is lax.cond_p for e in jaxpr.eqns) == 2
   assert not any("callback" in e.primitive.name for e in jaxpr.eqns)
