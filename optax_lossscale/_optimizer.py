@@ -461,12 +461,6 @@ class LossScaleOptimizer:
         grads, state, params, value=loss_of(value)
       )
       return value, new_params, new_state
-    if state.loss_scale.lowered() is None:
-      raise ValueError(
-        f"`{call}(max_retries=...)` must be 0 with a"
-        f" {type(state.loss_scale).__name__}, which cannot be lowered, got"
-        f" {max_retries}."
-      )
 
     return self._retried_step(attempt, loss_of, params, state, max_retries)
 
@@ -479,6 +473,12 @@ class LossScaleOptimizer:
     max_retries: int,
   ) -> tuple[Any, Any, LossScaleOptimizerState]:
     """`minimize` with retries: the loop, then the one shared step."""
+    if state.loss_scale.lowered() is None:
+      raise ValueError(
+        "`LossScaleOptimizer.minimize(max_retries=...)` must be 0 with a"
+        f" {type(state.loss_scale).__name__}, which cannot be lowered, got"
+        f" {max_retries}."
+      )
 
     def check(
       ls: LossScale, value: Any, grads: Any

@@ -52,13 +52,18 @@ def format_skip(report: SkipReport) -> str:
     A string, as `log_skip` logs it.
   """
   loss = {None: "no loss given", True: "loss finite", False: "loss NON-FINITE"}
-  leaves = ", ".join(f"{k} ({v})" for k, v in report.nonfinite.items())
   return (
     f"skipped step ({report.consecutive_skipped_steps} in a row,"
     f" {report.skipped_steps} in all): loss scale {report.loss_scale:g} ->"
     f" {report.next_loss_scale:g}; {loss[report.loss_finite]};"
-    f" non-finite gradients: {leaves or 'none'}"
+    f" non-finite gradients: {_leaves(report)}"
   )
+
+
+def _leaves(report: SkipReport) -> str:
+  """The non-finite leaves and their counts, or 'none'."""
+  listed = ", ".join(f"{k} ({v})" for k, v in report.nonfinite.items())
+  return listed or "none"
 
 
 def log_skip(report: SkipReport) -> None:
@@ -89,12 +94,11 @@ def stop_message(report: SkipReport, limit: int, at_floor: bool) -> str:
     False: "The loss itself was NOT finite: the forward pass failed, and no"
     " loss scale can fix that.",
   }[report.loss_finite]
-  leaves = ", ".join(f"{k} ({v})" for k, v in report.nonfinite.items())
   return (
     f"LossScaleOptimizer: {report.consecutive_skipped_steps} consecutive"
     f" steps skipped (max_consecutive_skips={limit}); training has stopped"
     f" making progress. The loss scale is {report.loss_scale:g}, {floor}."
-    f" {loss} Leaves with non-finite gradients: {leaves or 'none'}. Likely"
+    f" {loss} Leaves with non-finite gradients: {_leaves(report)}. Likely"
     " fix: check the inputs and the learning rate (a diverging run overflows"
     " at any scale); or lower min_loss_scale; or compute the layers named"
     " above in float32."
