@@ -404,11 +404,10 @@ class LossScaleOptimizer:
     lost; retries stop early when the scale cannot be lowered any more or the
     loss is not finite, and the step is then skipped as usual, from the last
     attempt's scale (which a `SkipReport` then shows as `loss_scale`): a
-    dynamic scale that ran out of retries is lowered once more. The loop
-    carries a gradient-sized buffer, so the gradients are written out before
-    the update. `fun` is
-    traced once; a step runs one forward and backward pass, and one more per
-    retry.
+    dynamic scale that ran out of retries is lowered once more. The update
+    runs inside the loop's last iteration, so the loop carries the
+    parameters and the state, never the gradients. `fun` is traced once; a
+    step runs one forward and backward pass, and one more per retry.
 
     Args:
       fun: the loss function; it returns a scalar, or `(scalar, aux)` when
@@ -451,12 +450,12 @@ class LossScaleOptimizer:
     self._check(None, state, None)
     value_and_grad = scaled_value_and_grad(fun, has_aux=has_aux)
 
-    def attempt(loss_scale: LossScale) -> tuple[Any, Any]:
+    def attempt(loss_scale: LossScale, params: Any) -> tuple[Any, Any]:
       return value_and_grad(loss_scale, params, *args, **kwargs)
 
     loss_of = (lambda v: v[0]) if has_aux else (lambda v: v)
     if max_retries == 0:
-      value, grads = attempt(state.loss_scale)
+      value, grads = attempt(state.loss_scale, params)
       new_params, new_state = self.apply_gradients(
         grads, state, params, value=loss_of(value)
       )
@@ -466,13 +465,13 @@ class LossScaleOptimizer:
 
   def _retried_step(
     self,
-    attempt: Callable[[LossScale], tuple[Any, Any]],
+    attempt: Callable[[LossScale, Any], tuple[Any, Any]],
     loss_of: Callable[[Any], Any],
     params: Any,
     state: LossScaleOptimizerState,
     max_retries: int,
   ) -> tuple[Any, Any, LossScaleOptimizerState]:
-    """`minimize` with retries: the loop, then the one shared step."""
+    """`minimize` with retries: every attempt runs `_step`, held but the last."""
     if state.loss_scale.lowered() is None:
       raise ValueError(
         "`LossScaleOptimizer.minimize(max_retries=...)` must be 0 with a"
@@ -489,20 +488,31 @@ class LossScaleOptimizer:
       assert loss_finite is not None  # a loss was given
       return grads_finite, loss_finite
 
-    found = _retry.retry(attempt, state.loss_scale, max_retries, check)
-    extra_args = {"value": loss_of(found.value)}
-    apply, skip = self._fused(found.grads, found.loss_scale, extra_args)
-    new_params, new_state = self._step(
-      found.grads,
-      state._replace(loss_scale=found.loss_scale),
-      params,
-      extra_args,
-      apply,
-      skip,
-      known=(found.grads_finite, found.loss_finite),
-      retries=found.retries,
+    def finish(found: _retry.Found, again: jax.Array, operand: Any) -> Any:
+      params, state = operand
+      extra_args = {"value": loss_of(found.value)}
+      apply, skip = self._fused(found.grads, found.loss_scale, extra_args)
+      return self._step(
+        found.grads,
+        state._replace(loss_scale=found.loss_scale),
+        params,
+        extra_args,
+        apply,
+        skip,
+        known=(found.grads_finite, found.loss_finite),
+        retries=found.retries,
+        held=again,
+      )
+
+    value, (new_params, new_state) = _retry.retry(
+      lambda ls, operand: attempt(ls, operand[0]),
+      check,
+      finish,
+      state.loss_scale,
+      max_retries,
+      (params, state),
     )
-    return found.value, new_params, new_state
+    return value, new_params, new_state
 
   def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:
     """Returns this optimizer as an `optax.GradientTransformationExtraArgs`.
@@ -533,10 +543,15 @@ class LossScaleOptimizer:
     *,
     known: tuple[jax.Array, jax.Array | None] | None = None,
     retries: jax.Array | None = None,
+    held: jax.Array | None = None,
   ) -> tuple[Any, LossScaleOptimizerState]:
     """Check, decide, one `lax.cond` around `inner`, and the new state.
 
-    `known` holds verdicts already computed (by `minimize`'s retries).
+    `known` holds verdicts already computed, `retries` the retries made and
+    `held` whether a retry follows (`minimize`'s retries): a held attempt
+    writes nothing and reports nothing. It is folded into the one `cond`
+    (a second conditional around it would make XLA copy the parameters and
+    state that the retry loop carries).
     """
     if known is None:
       known = verdicts(
@@ -551,19 +566,25 @@ class LossScaleOptimizer:
       state.loss_scale, grads_finite, loss_finite, self.skip_nonfinite
     )
 
-    out, inner_state = lax.cond(
-      decision.should_apply, apply, skip, params, state.inner_state
-    )
+    applies, quiet = decision.should_apply, decision.should_apply
+    if held is not None:
+      applies, quiet = applies & ~held, quiet | held
+    out, inner_state = lax.cond(applies, apply, skip, params, state.inner_state)
     if self.on_skip is not None or self.max_consecutive_skips is not None:
       # A cond of its own: inside the update's, the gradients would become
       # operands of the conditional that carries parameters and state, and
       # XLA copies them there on every step.
-      lax.cond(
-        decision.should_apply,
-        lambda: None,
-        lambda: self._report(grads, state, decision),
+      lax.cond(quiet, lambda: None, lambda: self._report(grads, state, decision))
+    new_state = self._next_state(state, decision, inner_state, retries)
+    if held is not None:
+      # The counters and the loss scale stay as they were; `inner_state` did.
+      kept = jax.tree.map(
+        lambda old, new: jnp.where(held, old, new),
+        state._replace(inner_state=None),
+        new_state._replace(inner_state=None),
       )
-    return out, self._next_state(state, decision, inner_state, retries)
+      new_state = kept._replace(inner_state=inner_state)
+    return out, new_state
 
   def _next_state(
     self,

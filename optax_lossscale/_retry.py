@@ -25,10 +25,6 @@ class Found(NamedTuple):
   retries: jax.Array
 
 
-def _where(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
-  return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
-
-
 def _can_lower(loss_scale: LossScale) -> jax.Array:
   lowered = loss_scale.lowered()
   assert lowered is not None
@@ -36,52 +32,68 @@ def _can_lower(loss_scale: LossScale) -> jax.Array:
 
 
 def retry(
-  attempt: Callable[[LossScale], tuple[Any, Any]],
+  attempt: Callable[[LossScale, Any], tuple[Any, Any]],
+  verdicts: Callable[[LossScale, Any, Any], tuple[jax.Array, jax.Array]],
+  finish: Callable[[Found, jax.Array, Any], Any],
   loss_scale: LossScale,
   max_retries: int,
-  verdicts: Callable[[LossScale, Any, Any], tuple[jax.Array, jax.Array]],
-) -> Found:
+  operand: Any,
+) -> tuple[Any, Any]:
   """Runs `attempt` until its gradients are finite, lowering the scale.
 
-  `attempt(loss_scale)` returns `(value, grads)`; `verdicts(loss_scale,
-  value, grads)` returns `(grads_finite, loss_finite)`, agreed across
-  replicas, so that every replica runs the same number of attempts and
-  collectives inside `attempt` cannot deadlock. A retry happens when the
-  gradients are not finite, the loss is, fewer than `max_retries` retries
-  were made and `loss_scale.lowered()` is lower. `attempt` is traced once
-  and runs inside a `lax.while_loop`: one pass when nothing overflows.
+  `attempt(loss_scale, operand)` returns `(value, grads)`;
+  `verdicts(loss_scale, value, grads)` returns `(grads_finite, loss_finite)`,
+  agreed across replicas, so that every replica runs the same number of
+  attempts and collectives inside `attempt` cannot deadlock. A retry happens
+  when the gradients are not finite, the loss is, fewer than `max_retries`
+  retries were made and `loss_scale.lowered()` is lower.
+
+  `finish(found, again, operand)` runs in every iteration and returns the new
+  operand (the update of parameters and state); it must return `operand`
+  unchanged when `again` (a retry follows). The update thus runs inside the
+  loop's last iteration: the gradients stay temporaries of one iteration and
+  are never carried. `finish` folds `again` into its own `lax.cond`: a
+  conditional around it, nested in the loop, would make XLA copy the
+  operand.
+
+  `attempt` is traced once and runs inside a `lax.while_loop`: one pass when
+  nothing overflows.
+
+  Returns:
+    `(value, new_operand)`: the last attempt's value and `finish`'s result.
   """
   # One trace of the user's function, replayed as the loop's body.
-  converted, consts = jax.closure_convert(attempt, loss_scale)
+  converted, consts = jax.closure_convert(attempt, loss_scale, operand)
 
-  def run(ls: LossScale) -> tuple[Any, Any]:
-    result: tuple[Any, Any] = converted(ls, *consts)
+  def run(ls: LossScale, operand: Any) -> tuple[Any, Any]:
+    result: tuple[Any, Any] = converted(ls, operand, *consts)
     return result
 
-  shapes = jax.eval_shape(run, loss_scale)
-  placeholders = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+  value_shapes = jax.eval_shape(run, loss_scale, operand)[0]
+  placeholder = jax.tree.map(
+    lambda s: jnp.zeros(s.shape, s.dtype), value_shapes
+  )
 
   def body(carry: tuple[Any, ...]) -> tuple[Any, ...]:
-    attempts, ls = carry[:2]
-    ls = _where(attempts > 0, ls.lowered(), ls)
-    value, grads = run(ls)
+    attempts, _, ls, _, operand = carry
+    value, grads = run(ls, operand)
     grads_finite, loss_finite = verdicts(ls, value, grads)
-    return attempts + 1, ls, value, grads, grads_finite, loss_finite
-
-  def cond(carry: tuple[Any, ...]) -> jax.Array:
-    attempts, ls, _, _, grads_finite, loss_finite = carry
-    again = (attempts <= max_retries) & loss_finite & ~grads_finite
-    go: jax.Array = (attempts == 0) | (again & _can_lower(ls))
-    return go
+    again = (
+      loss_finite & ~grads_finite & (attempts < max_retries) & _can_lower(ls)
+    )
+    found = Found(value, grads, ls, grads_finite, loss_finite, attempts)
+    operand = finish(found, again, operand)
+    lowered = jax.tree.map(
+      lambda low, same: jnp.where(again, low, same), ls.lowered(), ls
+    )
+    return attempts + 1, again, lowered, value, operand
 
   init = (
     jnp.zeros((), jnp.int32),
-    loss_scale,
-    *placeholders,
-    jnp.array(False),
     jnp.array(True),
+    loss_scale,
+    placeholder,
+    operand,
   )
-  attempts, ls, value, grads, grads_finite, loss_finite = lax.while_loop(
-    cond, body, init
-  )
-  return Found(value, grads, ls, grads_finite, loss_finite, attempts - 1)
+  *_, value, operand = lax.while_loop(lambda carry: carry[1], body, init)
+  return value, operand

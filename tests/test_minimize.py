@@ -163,6 +163,43 @@ def test_max_retries_validation():
     tx.minimize(_loss, params, tx.init(params), X, has_aux=1)
 
 
+def test_the_retry_loop_carries_parameters_and_state_never_the_gradients():
+  # The update runs inside the loop's last iteration: the gradients stay
+  # temporaries of one iteration, so a step with retries needs no more memory
+  # than one without.
+  big = {"w": jnp.zeros((64, 256)), "b": jnp.zeros(256)}
+  x = jnp.ones((4, 64))
+  loss = lambda p, x: jnp.sum((x @ p["w"] + p["b"][None]) ** 2)  # noqa: E731
+  tx = ols.LossScaleOptimizer(optax.adam(0.1), ols.DynamicLossScale())
+  state = tx.init(big)
+  jaxpr = jax.make_jaxpr(
+    lambda p, s: tx.minimize(loss, p, s, x, max_retries=4)
+  )(big, state)
+  (carry,) = [
+    [v.aval for v in eqn.outvars]
+    for eqn in jaxpr.jaxpr.eqns
+    if eqn.primitive.name == "while"
+  ]
+  expected = (
+    2  # attempts, again
+    + len(jax.tree.leaves(state.loss_scale))
+    + 1  # the loss
+    + len(jax.tree.leaves((big, state)))
+  )
+  assert len(carry) == expected
+  compiled = {
+    retries: jax.jit(
+      lambda p, s, r=retries: tx.minimize(loss, p, s, x, max_retries=r),
+      donate_argnums=(0, 1),
+    )
+    .lower(big, state)
+    .compile()
+    .memory_analysis()
+    for retries in (0, 4)
+  }
+  assert compiled[4].temp_size_in_bytes <= 1.05 * compiled[0].temp_size_in_bytes
+
+
 def test_calibration_first_batch_finds_a_workable_scale():
   tx = ols.LossScaleOptimizer(optax.adam(1e-2), ols.DynamicLossScale(2.0**24))
   params = _params()
