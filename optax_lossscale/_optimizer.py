@@ -574,7 +574,9 @@ class LossScaleOptimizer:
       # A cond of its own: inside the update's, the gradients would become
       # operands of the conditional that carries parameters and state, and
       # XLA copies them there on every step.
-      lax.cond(quiet, lambda: None, lambda: self._report(grads, state, decision))
+      lax.cond(
+        quiet, lambda: None, lambda: self._report(grads, state, decision)
+      )
     new_state = self._next_state(state, decision, inner_state, retries)
     if held is not None:
       # The counters and the loss scale stay as they were; `inner_state` did.
