@@ -646,9 +646,8 @@ class LossScaleOptimizer:
     at_floor = jnp.array(True) if lowered is None else lowered() >= loss_scale()
 
     def send() -> None:
-      unscaled = loss_scale.unscale([leaf for _, leaf in flat])
-      counts = jnp.stack(
-        _numerics.nonfinite_counts(unscaled) or [jnp.zeros((), jnp.int32)]
+      counts = _numerics.nonfinite_counts(
+        [leaf for _, leaf in flat], loss_scale.unscale
       )
       if self.axis_name is not None:
         counts = lax.psum(counts, self.axis_name)

@@ -243,6 +243,36 @@ def test_on_skip_reports_skipped_steps_only_naming_the_leaves():
   assert reports[-1].loss_finite is None and reports[-1].skipped_steps == 3
 
 
+def test_skip_report_counts_every_leaf_of_a_large_mixed_tree():
+  # Hundreds of small leaves of two dtypes (counted in groups) and large
+  # ones (counted in place), with non-finite values at random positions.
+  rng = np.random.default_rng(0)
+  grads = {}
+  for i in range(150):
+    dtype = np.float16 if i % 3 else np.float32
+    grads[f"s{i:03d}"] = rng.normal(size=int(rng.integers(1, 300))).astype(
+      dtype
+    )
+  grads["big16"] = rng.normal(size=(40, 1000)).astype(np.float16)
+  grads["big32"] = rng.normal(size=20_000).astype(np.float32)
+  for name in rng.choice(sorted(grads), size=40, replace=False):
+    flat = grads[name].reshape(-1)
+    hits = rng.choice(flat.size, size=int(rng.integers(1, 4)), replace=False)
+    flat[hits] = rng.choice([np.nan, np.inf, -np.inf], size=hits.size)
+  expected = {
+    f"['{k}']": int(np.sum(~np.isfinite(v))) for k, v in sorted(grads.items())
+  }
+  expected = {k: n for k, n in expected.items() if n}
+  reports = []
+  tx = ols.LossScaleOptimizer(
+    optax.sgd(0.1), ols.DynamicLossScale(1.0), on_skip=reports.append
+  )
+  params = jax.tree.map(lambda g: jnp.zeros(g.shape, jnp.float32), grads)
+  jax.jit(tx.update)(jax.tree.map(jnp.asarray, grads), tx.init(params), params)
+  jax.effects_barrier()
+  assert len(reports) == 1 and reports[0].nonfinite == expected
+
+
 def test_an_applied_step_with_on_skip_transfers_nothing():
   calls = []
   tx = ols.LossScaleOptimizer(
