@@ -12,6 +12,7 @@ table, writes benchmarks/RESULTS.md and benchmarks/step_overhead.png.
 from __future__ import annotations
 
 import argparse
+import functools
 import platform
 import time
 from collections.abc import Callable
@@ -62,28 +63,49 @@ def config_apply_gradients():
   return tx.init, step
 
 
-def _fused(**options):
-  """`LossScaleOptimizer.apply_gradients`; `options` for the failure modes."""
+def _fused(lr: float = 1e-3, **options):
+  """`(init, step)` of `LossScaleOptimizer.apply_gradients`, with `options`.
+
+  `options`: `value` (passed as `value=`), `hysteresis`, `idle_callback` (a
+  `jax.debug.callback` of the user's in a `cond` that never calls it) and
+  `LossScaleOptimizer`'s own keyword arguments.
+  """
   value = options.pop("value", None)
   hysteresis = options.pop("hysteresis", 1)
+  idle_callback = options.pop("idle_callback", False)
   tx = ols.LossScaleOptimizer(
-    _adam(), ols.DynamicLossScale(SCALE, hysteresis=hysteresis), **options
+    optax.adam(lr),
+    ols.DynamicLossScale(SCALE, hysteresis=hysteresis),
+    **options,
   )
 
   def step(params, state, grads):
     extra = {} if value is None else {"value": jnp.float32(value)}
-    return tx.apply_gradients(grads, state, params, **extra)
+    params, state = tx.apply_gradients(grads, state, params, **extra)
+    if idle_callback:
+      jax.lax.cond(
+        state.skipped_steps >= 0,
+        lambda: None,
+        lambda: jax.debug.callback(lambda: None),
+      )
+    return params, state
 
-  return lambda: (tx.init, step)
+  return tx.init, step
 
 
 # The failure-mode options, each against the defaults (`--failure-modes`).
-FAILURE_MODES: dict[str, Callable[[], Any]] = {
-  "defaults": _fused(),
-  "hysteresis=2": _fused(hysteresis=2),
-  "value= passed": _fused(value=1.0),
-  "on_skip=log_skip": _fused(on_skip=ols.log_skip),
-  "max_consecutive_skips=100": _fused(max_consecutive_skips=100),
+FAILURE_MODES: dict[str, Callable[..., Any]] = {
+  "defaults": functools.partial(_fused),
+  "hysteresis=2": functools.partial(_fused, hysteresis=2),
+  "value= passed": functools.partial(_fused, value=1.0),
+  "on_skip=log_skip": functools.partial(_fused, on_skip=ols.log_skip),
+  "max_consecutive_skips=100": functools.partial(
+    _fused, max_consecutive_skips=100
+  ),
+  # Not an option of ours: any host callback in a step, for comparison.
+  "defaults + a never-called jax.debug.callback": functools.partial(
+    _fused, idle_callback=True
+  ),
 }
 
 
@@ -294,7 +316,7 @@ def main() -> None:
   )
   args = parser.parse_args()
   if args.failure_modes:
-    failure_modes(args.out, 10 if args.quick else 30)
+    failure_modes(args.out, 10 if args.quick else 30, 1 if args.quick else 3)
     return
   repeats = 10 if args.quick else 30
   header = (
@@ -445,23 +467,78 @@ def main() -> None:
   fig.savefig(f"{args.out}/step_overhead.png", dpi=80)
 
 
-def failure_modes(out: str, repeats: int) -> None:
-  """Step and compile ratios of each failure-mode option vs the defaults."""
+def _compile_failure_mode(name: str, params: Any, lr: float) -> float:
+  """Seconds to compile `name` with Adam's learning rate `lr`: a program of
+  its own, so a first compile (JAX serves a repeated one from its cache)."""
+  init, step = FAILURE_MODES[name](lr=lr)
+  p = jax.tree.map(jnp.copy, params)
+  grads = jax.tree.map(lambda x: x * SCALE * 1e-3, params)
+  t0 = time.perf_counter()
+  jax.jit(step, donate_argnums=(0, 1)).lower(p, init(p), grads).compile()
+  return time.perf_counter() - t0
+
+
+def _scan_loop(run: dict[str, Any], steps: int) -> Callable[[], float]:
+  """A timer of `steps` donated steps inside one compiled `lax.scan`."""
+  step, grads = run["step_fn"], run["grads"]
+
+  def loop(p, s, g):
+    return jax.lax.scan(
+      lambda c, _: (step(*c, g), None), (p, s), None, length=steps
+    )[0]
+
+  compiled = (
+    jax.jit(loop, donate_argnums=(0, 1)).lower(*run["state"], grads).compile()
+  )
+
+  def timed() -> float:
+    t0 = time.perf_counter()
+    run["state"] = compiled(*run["state"], grads)
+    jax.block_until_ready(run["state"])
+    return (time.perf_counter() - t0) / steps
+
+  return timed
+
+
+def failure_modes(out: str, repeats: int, compiles: int) -> None:
+  """Step and compile ratios of each failure-mode option vs the defaults.
+
+  Step: per call of the jitted step, and per step inside one compiled
+  `lax.scan` of many steps (one dispatch for all). Compile: the median of
+  `compiles` first compiles, in turns.
+  """
   lines = []
-  for workload, params in [
-    ("400 leaves x 1000", make_tree(400, 1000)),
-    ("16M / 8 leaves", make_tree(8, 2_000_000)),
+  for workload, params, scan_steps in [
+    ("400 leaves x 1000", make_tree(400, 1000), 400),
+    ("16M / 8 leaves", make_tree(8, 2_000_000), 10),
   ]:
     runs = [prepare(name, params, jnp.float32) for name in FAILURE_MODES]
+    for run in runs:
+      run["compiles"] = [run["compile"]]
+    for k in range(1, compiles):
+      for run in runs:
+        lr = 1e-3 * (1 + k)
+        run["compiles"].append(_compile_failure_mode(run["name"], params, lr))
     for _ in range(ROUNDS):
-      for r in runs:
-        time_steps(r, repeats // ROUNDS)
+      for run in runs:
+        time_steps(run, repeats // ROUNDS)
+    loops = [_scan_loop(run, scan_steps) for run in runs]
+    for run in runs:
+      run["scan"] = []
+    for _ in range(ROUNDS):
+      for run, timed in zip(runs, loops, strict=True):
+        run["scan"].append(timed())
     base = runs[0]
-    for r in runs:
-      step = float(np.median(r["times"])) / float(np.median(base["times"]))
-      compile_ratio = r["compile"] / base["compile"]
+    median = lambda run, key: float(np.median(run[key]))  # noqa: E731
+    for run in runs:
+      cells = [
+        median(run, key) / median(base, key)
+        for key in ("times", "scan", "compiles")
+      ]
       line = (
-        f"| {workload} | {r['name']} | {step:.2f}x | {compile_ratio:.2f}x |"
+        f"| {workload} | {run['name']} | "
+        + " | ".join(f"{c:.2f}x" for c in cells)
+        + " |"
       )
       print(line, flush=True)
       lines.append(line)
@@ -470,10 +547,12 @@ def failure_modes(out: str, repeats: int) -> None:
       "# Failure-mode options against the defaults\n\n"
       "`python benchmarks/step_overhead.py --failure-modes`; jax"
       f" {jax.__version__}, {jax.devices()[0].platform}. Ratios to the"
-      " default `LossScaleOptimizer.apply_gradients` step, in one process.\n\n"
-      "| workload | option | step | compile |\n|---|---|---|---|\n"
-      + "\n".join(lines)
-      + "\n"
+      " default `LossScaleOptimizer.apply_gradients` step, in one process."
+      " Step per call: the jitted step called from Python. Step in a scan:"
+      " one step of a compiled `lax.scan` loop of many. Compile: the median"
+      f" of {compiles} first compiles.\n\n"
+      "| workload | option | step per call | step in a scan | compile |\n"
+      "|---|---|---|---|---|\n" + "\n".join(lines) + "\n"
     )
 
 
