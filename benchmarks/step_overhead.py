@@ -509,7 +509,7 @@ def failure_modes(out: str, repeats: int, compiles: int) -> None:
   """
   lines = []
   for workload, params, scan_steps in [
-    ("400 leaves x 1000", make_tree(400, 1000), 400),
+    ("400 leaves x 1000", make_tree(400, 1000), 2000),
     ("16M / 8 leaves", make_tree(8, 2_000_000), 10),
   ]:
     runs = [prepare(name, params, jnp.float32) for name in FAILURE_MODES]

@@ -163,6 +163,37 @@ def test_max_retries_validation():
     tx.minimize(_loss, params, tx.init(params), X, has_aux=1)
 
 
+def test_retried_attempts_report_nothing_and_a_dropped_batch_reports_once():
+  reports = []
+  tx = ols.LossScaleOptimizer(
+    optax.sgd(0.1),
+    ols.DynamicLossScale(2.0**24),
+    on_skip=reports.append,
+    max_consecutive_skips=2,
+  )
+  params = _params()
+  step = jax.jit(
+    lambda p, s, x, r: tx.minimize(_loss, p, s, x, max_retries=r),
+    static_argnums=3,
+  )
+  # Retries that end in a finite attempt: no skip, so no report.
+  _, _, state = step(params, tx.init(params), X, 16)
+  jax.effects_barrier()
+  assert reports == [] and int(state.retries) > 0
+  # Retries that run out: one report, of the last attempt's scale.
+  _, new_params, state = step(params, tx.init(params), X, 2)
+  jax.effects_barrier()
+  assert len(reports) == 1
+  assert reports[0].loss_scale == 2.0**22
+  assert reports[0].next_loss_scale == 2.0**21
+  assert reports[0].consecutive_skipped_steps == 1 and reports[0].nonfinite
+  chex.assert_trees_all_equal(new_params, params)
+  # The next dropped batch (a NaN loss: no retry) is the second in a row.
+  with pytest.raises(jax.errors.JaxRuntimeError, match="2 consecutive"):
+    _, _, state = step(params, state, X * jnp.nan, 2)
+    jax.block_until_ready(state)
+
+
 def test_the_retry_loop_carries_parameters_and_state_never_the_gradients():
   # The update runs inside the loop's last iteration: the gradients stay
   # temporaries of one iteration, so a step with retries needs no more memory
