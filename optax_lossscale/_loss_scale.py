@@ -193,7 +193,9 @@ class LossScale(abc.ABC):
   def unscale(self, tree: Any) -> Any:
     """Divides every array leaf of `tree` by the loss scale.
 
-    Each leaf keeps its dtype. The division is computed in at least float32 as
+    The division is elementwise and the same for every leaf of a dtype (skip
+    reports rely on it: they unscale concatenations of leaves). Each leaf
+    keeps its dtype. The division is computed in at least float32 as
     a multiplication by the correctly rounded reciprocal of the scale (what
     XLA emits for a division by a scalar, and what TensorFlow's optimizers do),
     so it is exact whenever the scale is a power of two, and the same with and

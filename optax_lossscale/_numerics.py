@@ -160,32 +160,52 @@ def nonfinite_counts(
 
   The leaves are read in the groups the check reads them in, and `unscale`
   (an elementwise division, as `LossScale.unscale` is) is applied to each
-  group, so that hundreds of small leaves cost a few kernels, not a few
-  each.
+  group as one array, so that hundreds of small leaves cost a few kernels,
+  not a few each.
   """
   per_group, order = [], []
   for group in _partition(leaves):
-    joined = unscale(_read_together([leaves[i] for i in group]))
-    per_group.append(_counts_in(joined, [leaves[i].size for i in group]))
+    members = [leaves[i] for i in group]
+    if len(members) == 1 and members[0].size > _SMALL_LEAF:
+      flags = ~jnp.isfinite(unscale(members[0]))
+      per_group.append(jnp.sum(flags, dtype=jnp.int32).reshape(1))
+    else:
+      per_group.append(_counts_in_rows(members, unscale))
     order += group
   if not per_group:
     return jnp.zeros((0,), jnp.int32)
   return jnp.concatenate(per_group)[np.argsort(order)]
 
 
-def _counts_in(joined: jax.Array, sizes: list[int]) -> jax.Array:
-  """The non-finite counts of consecutive segments of `joined`, of `sizes`.
+# Small leaves are counted in rows of this many elements.
+_COUNT_ROW = 128
 
-  One masked reduction over (segment, element): exact, and one kernel.
+
+def _counts_in_rows(
+  members: list[jax.Array], unscale: Callable[[jax.Array], jax.Array]
+) -> jax.Array:
+  """The non-finite counts of small leaves of one dtype, in a few kernels.
+
+  Each leaf is laid out in whole rows (padded with zeros, which are finite),
+  the rows are counted by one reduction, and each leaf's rows are summed by
+  a second, masked one over (leaf, row): exact, and with buffers of about
+  the size of the leaves.
   """
-  flags = ~jnp.isfinite(joined.ravel())
-  if len(sizes) == 1:
-    return jnp.sum(flags, dtype=jnp.int32).reshape(1)
-  ends = np.cumsum(sizes)
-  starts = ends - np.asarray(sizes)
-  position = lax.broadcasted_iota(jnp.int32, (len(sizes), flags.size), 1)
-  inside = (position >= starts[:, None]) & (position < ends[:, None])
-  counts: jax.Array = jnp.sum(inside & flags[None, :], axis=1, dtype=jnp.int32)
+  rows_of = [-(-x.size // _COUNT_ROW) for x in members]
+  parts = []
+  for x, n_rows in zip(members, rows_of, strict=True):
+    parts.append(x.ravel())
+    if n_rows * _COUNT_ROW > x.size:
+      parts.append(jnp.zeros(n_rows * _COUNT_ROW - x.size, x.dtype))
+  rows = unscale(jnp.concatenate(parts)).reshape(-1, _COUNT_ROW)
+  row_counts = jnp.sum(~jnp.isfinite(rows), axis=1, dtype=jnp.int32)
+  ends = np.cumsum(rows_of)
+  starts = ends - np.asarray(rows_of)
+  row = lax.broadcasted_iota(jnp.int32, (len(members), rows.shape[0]), 1)
+  mine = (row >= starts[:, None]) & (row < ends[:, None])
+  counts: jax.Array = jnp.sum(
+    jnp.where(mine, row_counts[None, :], 0), axis=1, dtype=jnp.int32
+  )
   return counts
 
 

@@ -122,11 +122,7 @@ def decide(
     should_apply &= grads_finite
   if loss_finite is not None:
     should_apply &= loss_finite
-    new_loss_scale = jax.tree.map(
-      lambda new, old: jnp.where(loss_finite, new, old),
-      new_loss_scale,
-      loss_scale,
-    )
+    new_loss_scale = optax.tree.where(loss_finite, new_loss_scale, loss_scale)
   return Decision(new_loss_scale, should_apply, loss_finite)
 
 
@@ -403,11 +399,12 @@ class LossScaleOptimizer:
     attempt that succeeds is applied as a finite step, so the batch is not
     lost; retries stop early when the scale cannot be lowered any more or the
     loss is not finite, and the step is then skipped as usual, from the last
-    attempt's scale (which a `SkipReport` then shows as `loss_scale`): a
-    dynamic scale that ran out of retries is lowered once more. The update
-    runs inside the loop's last iteration, so the loop carries the
-    parameters and the state, never the gradients. `fun` is traced once; a
-    step runs one forward and backward pass, and one more per retry.
+    attempt's scale (which a `SkipReport` then shows as `loss_scale`), which
+    is then adjusted as on any non-finite step (lowered once more, unless a
+    hysteresis budget remains). The update runs inside the loop's last
+    iteration, so the loop carries the parameters and the state, never the
+    gradients. `fun` is traced once; a step runs one forward and backward
+    pass, and one more per retry.
 
     Args:
       fun: the loss function; it returns a scalar, or `(scalar, aux)` when
@@ -579,9 +576,11 @@ class LossScaleOptimizer:
       )
     new_state = self._next_state(state, decision, inner_state, retries)
     if held is not None:
-      # The counters and the loss scale stay as they were; `inner_state` did.
-      kept = jax.tree.map(
-        lambda old, new: jnp.where(held, old, new),
+      # A held attempt keeps the counters and the attempt's loss scale (the
+      # loop carries the lowered one apart); `inner_state` was kept by the
+      # cond.
+      kept = optax.tree.where(
+        held,
         state._replace(inner_state=None),
         new_state._replace(inner_state=None),
       )

@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax import lax
 
 from optax_lossscale._loss_scale import LossScale
@@ -15,7 +16,7 @@ __all__: list[str] = []
 
 
 class Found(NamedTuple):
-  """The attempt a retry loop ended on."""
+  """One attempt of a retry loop; `retries`: the retries made before it."""
 
   value: Any
   grads: Any
@@ -83,9 +84,7 @@ def retry(
     )
     found = Found(value, grads, ls, grads_finite, loss_finite, attempts)
     operand = finish(found, again, operand)
-    lowered = jax.tree.map(
-      lambda low, same: jnp.where(again, low, same), ls.lowered(), ls
-    )
+    lowered = optax.tree.where(again, ls.lowered(), ls)
     return attempts + 1, again, lowered, value, operand
 
   init = (

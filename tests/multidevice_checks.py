@@ -257,6 +257,32 @@ def check_minimize_retries_agree():
   assert np.asarray(state.should_apply).all()
   assert len(set(np.asarray(state.loss_scale.current_loss_scale).tolist())) == 1
   assert np.isfinite(np.asarray(params["w"])).all()
+  # With a report: retries that succeed report nothing; retries that run out
+  # report once per step (not once per replica).
+  needed = int(retries[0])
+  params = {"w": jnp.full((4, 3), 0.5, jnp.float32)}
+  reports = []
+  reporting = ols.LossScaleOptimizer(
+    optax.sgd(0.1),
+    ols.DynamicLossScale(2.0**15, 100),
+    axis_name="i",
+    on_skip=reports.append,
+  )
+  state = jax.pmap(reporting.init, devices=devices)(params)
+  for max_retries in (needed, needed - 1):
+    step = jax.pmap(
+      lambda p, s, x, r=max_retries: reporting.minimize(
+        loss, p, s, x, max_retries=r
+      ),
+      axis_name="i",
+      devices=devices,
+    )
+    _, _, new_state = step(params, state, jnp.asarray(x))
+    jax.effects_barrier()
+    skipped = np.asarray(new_state.skipped_steps)
+    assert (skipped == (max_retries < needed)).all(), skipped
+  assert len(reports) == 1, reports
+  assert list(reports[0].nonfinite) == ["['w']"], reports
 
 
 if __name__ == "__main__":

@@ -273,6 +273,53 @@ def test_skip_report_counts_every_leaf_of_a_large_mixed_tree():
   assert len(reports) == 1 and reports[0].nonfinite == expected
 
 
+def test_skip_report_counts_unscaled_values_of_every_dtype_and_size():
+  # A scale below 1: a finite float16 40000 overflows once unscaled, and is
+  # counted; zero-size, bfloat16 and complex leaves are counted too.
+  reports = []
+  tx = ols.LossScaleOptimizer(
+    optax.sgd(0.1),
+    ols.DynamicLossScale(0.5, min_loss_scale=0.25),
+    on_skip=reports.append,
+  )
+  grads = {
+    "half": jnp.array([40000.0, 1.0, 1.0], jnp.float16),
+    "brain": jnp.array([1.0, jnp.inf], jnp.bfloat16),
+    "complex": jnp.array([1 + 1j, complex(jnp.nan, 0)], jnp.complex64),
+    "empty": jnp.zeros((0, 3), jnp.float32),
+    "fine": jnp.ones(5, jnp.float32),
+  }
+  params = jax.tree.map(lambda g: jnp.zeros(g.shape, g.dtype), grads)
+  jax.jit(tx.update)(grads, tx.init(params), params)
+  jax.effects_barrier()
+  assert reports[0].nonfinite == {
+    "['brain']": 1,
+    "['complex']": 1,
+    "['half']": 1,
+  }
+
+
+def test_skip_reports_need_little_memory_beyond_the_default_step():
+  # The report branch's buffers count in the step's temporary memory, also on
+  # applied steps: they are about the size of the small leaves, never
+  # (leaves x elements).
+  params = {f"p{i:03d}": jnp.zeros(1000) for i in range(200)}
+
+  def temp(**options):
+    tx = ols.LossScaleOptimizer(
+      optax.adam(0.1), ols.DynamicLossScale(), **options
+    )
+    compiled = (
+      jax.jit(tx.apply_gradients, donate_argnums=(1, 2))
+      .lower(params, tx.init(params), params)
+      .compile()
+    )
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  small_bytes = 200 * 1000 * 4
+  assert temp(on_skip=ols.log_skip) <= temp() + 2 * small_bytes
+
+
 def test_an_applied_step_with_on_skip_transfers_nothing():
   calls = []
   tx = ols.LossScaleOptimizer(

@@ -194,6 +194,41 @@ def test_retried_attempts_report_nothing_and_a_dropped_batch_reports_once():
     jax.block_until_ready(state)
 
 
+def test_retries_that_run_out_then_skip_under_hysteresis():
+  # The retries lower the scale whatever the hysteresis; the final skip is
+  # an ordinary non-finite step: it spends budget and does not lower.
+  ls = ols.DynamicLossScale(2.0**24, hysteresis=2)
+  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ls)
+  params = _params()
+  _, new_params, state = tx.minimize(
+    _loss, params, tx.init(params), X, max_retries=1
+  )
+  assert int(state.retries) == 1 and int(state.skipped_steps) == 1
+  assert float(ols.get_loss_scale(state)()) == 2.0**23
+  assert int(state.loss_scale.hysteresis_budget) == 1
+  chex.assert_trees_all_equal(new_params, params)
+
+
+def test_a_retried_step_updates_the_inner_state_once():
+  tx = ols.LossScaleOptimizer(optax.adam(0.1), ols.DynamicLossScale(2.0**24))
+  params = _params()
+  _, new_params, state = jax.jit(
+    lambda p, s: tx.minimize(_loss, p, s, X, max_retries=16)
+  )(params, tx.init(params))
+  assert int(state.retries) > 0
+  scale = float(ols.get_loss_scale(state)())
+  # One Adam step on the gradients of the attempt that worked.
+  grads = jax.grad(_loss)(params, X)
+  reference = optax.adam(0.1)
+  updates, adam_state = reference.update(grads, reference.init(params), params)
+  assert int(state.inner_state[0].count) == 1
+  chex.assert_trees_all_close(
+    new_params, optax.apply_updates(params, updates), rtol=1e-6
+  )
+  chex.assert_trees_all_close(state.inner_state, adam_state, rtol=1e-6)
+  assert scale < 2.0**24
+
+
 def test_the_retry_loop_carries_parameters_and_state_never_the_gradients():
   # The update runs inside the loop's last iteration: the gradients stay
   # temporaries of one iteration, so a step with retries needs no more memory
