@@ -316,7 +316,7 @@ def main() -> None:
   )
   args = parser.parse_args()
   if args.failure_modes:
-    failure_modes(args.out, 10 if args.quick else 30, 1 if args.quick else 3)
+    failure_modes(args.out, 10 if args.quick else 30, 1 if args.quick else 5)
     return
   repeats = 10 if args.quick else 30
   header = (
