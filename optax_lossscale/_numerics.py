@@ -108,9 +108,14 @@ def _partition(leaves: list[jax.Array]) -> list[list[int]]:
   return groups
 
 
+def _in_place(members: list[jax.Array]) -> bool:
+  """Whether a group is one large leaf, read where it is."""
+  return len(members) == 1 and members[0].size > _SMALL_LEAF
+
+
 def _read_together(members: list[jax.Array]) -> jax.Array:
   """A large leaf as it is; small ones as one concatenation."""
-  if len(members) == 1 and members[0].size > _SMALL_LEAF:
+  if _in_place(members):
     return members[0]
   return jnp.concatenate([x.ravel() for x in members])
 
@@ -166,7 +171,7 @@ def nonfinite_counts(
   per_group, order = [], []
   for group in _partition(leaves):
     members = [leaves[i] for i in group]
-    if len(members) == 1 and members[0].size > _SMALL_LEAF:
+    if _in_place(members):
       flags = ~jnp.isfinite(unscale(members[0]))
       per_group.append(jnp.sum(flags, dtype=jnp.int32).reshape(1))
     else:
