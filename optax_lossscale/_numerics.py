@@ -17,6 +17,15 @@ def is_float0(x: Any) -> bool:
   return getattr(x, "dtype", None) == jax.dtypes.float0
 
 
+def zeros_of(shapes: Any) -> Any:
+  """Zeros shaped like `shapes` (from `jax.eval_shape`); `None` stays."""
+  return jax.tree.map(
+    lambda s: None if s is None else jnp.zeros(s.shape, s.dtype),
+    shapes,
+    is_leaf=lambda x: x is None,
+  )
+
+
 def array_leaves(tree: Any) -> list[jax.Array]:
   """The leaves that carry numbers: `None` and `float0` leaves are dropped."""
   return [x for x in jax.tree.leaves(tree) if not is_float0(x)]

@@ -135,14 +135,6 @@ def _maybe_count(counter: jax.Array | None, flag: jax.Array) -> Any:
   return None if counter is None else _count(counter, flag)
 
 
-def _zeros(shapes: Any) -> Any:
-  return jax.tree.map(
-    lambda s: None if s is None else jnp.zeros(s.shape, s.dtype),
-    shapes,
-    is_leaf=lambda x: x is None,
-  )
-
-
 def _trace_once(fn: _Branch, *args: Any) -> tuple[_Branch, Any]:
   """`fn`, traced once, as a function that replays it, and its output shapes.
 
@@ -330,7 +322,7 @@ class LossScaleOptimizer:
     apply, shapes = _trace_once(inner_update, params, state.inner_state)
 
     def skip(params: Any, inner_state: Any) -> tuple[Any, Any]:
-      return _zeros(shapes[0]), inner_state
+      return _numerics.zeros_of(shapes[0]), inner_state
 
     return self._step(grads, state, params, extra_args, apply, skip)
 

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from optax_lossscale import _numerics
 from optax_lossscale._loss_scale import LossScale
 
 __all__: list[str] = []
@@ -71,9 +72,7 @@ def retry(
     return result
 
   value_shapes = jax.eval_shape(run, loss_scale, operand)[0]
-  placeholder = jax.tree.map(
-    lambda s: jnp.zeros(s.shape, s.dtype), value_shapes
-  )
+  placeholder = _numerics.zeros_of(value_shapes)
 
   def body(carry: tuple[Any, ...]) -> tuple[Any, ...]:
     attempts, _, ls, _, operand = carry
