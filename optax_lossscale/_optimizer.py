@@ -38,7 +38,7 @@ def fresh_copy(loss_scale: LossScale) -> LossScale:
   return copy
 
 
-def check_state(call: str, state: Any, state_type: type) -> None:
+def check_state_type(call: str, state: Any, state_type: type) -> None:
   if not isinstance(state, state_type):
     raise TypeError(
       f"`{call}.update(updates, state)` takes the {state_type.__name__}"
@@ -517,7 +517,7 @@ class LossScaleOptimizer:
   # --- the one step shared by update, apply_gradients and minimize ----------
 
   def _check(self, grads: Any, state: Any, params: Any) -> None:
-    check_state("LossScaleOptimizer", state, LossScaleOptimizerState)
+    check_state_type("LossScaleOptimizer", state, LossScaleOptimizerState)
     if grads is not None:
       check_structure("LossScaleOptimizer", grads, params)
 

@@ -12,7 +12,7 @@ from optax_lossscale._loss_scale import LossScale
 from optax_lossscale._optimizer import (
   LossScaleOptimizer,
   check_loss_scale,
-  check_state,
+  check_state_type,
   check_structure,
   decide,
   fresh_copy,
@@ -73,7 +73,7 @@ def unscale_gradients(
     params: optax.Params | None = None,
     **extra_args: Any,
   ) -> tuple[optax.Updates, UnscaleGradientsState]:
-    check_state(call, state, UnscaleGradientsState)
+    check_state_type(call, state, UnscaleGradientsState)
     check_structure(call, updates, params)
     # The check reads the incoming gradients: the unscaling is then fused into
     # the rest of the chain instead of being written out as a separate buffer.
