@@ -1,8 +1,8 @@
 """Loss scaling for mixed-precision training in JAX, as Optax transformations.
 
 TensorFlow's `FixedLossScale` and `DynamicLossScale` as immutable JAX pytrees,
-`LossScaleOptimizer` (hysteresis, loss-aware skips, skip reports, a stop rule
-and retries of overflowed batches) and `unscale_gradients` to put them in an
+`LossScaleOptimizer` (hysteresis, loss-aware skips, retries of overflowed
+batches, and skip reports and a stop rule read from its state) and `unscale_gradients` to put them in an
 Optax optimizer.
 """
 
@@ -14,9 +14,14 @@ from optax_lossscale._numerics import all_finite as all_finite
 from optax_lossscale._optimizer import (
   LossScaleOptimizer as LossScaleOptimizer,
 )
+from optax_lossscale._report import (
+  ConsecutiveSkipsError as ConsecutiveSkipsError,
+)
+from optax_lossscale._report import SkipMonitor as SkipMonitor
 from optax_lossscale._report import SkipReport as SkipReport
 from optax_lossscale._report import format_skip as format_skip
 from optax_lossscale._report import log_skip as log_skip
+from optax_lossscale._report import skip_report as skip_report
 from optax_lossscale._serialization import deserialize as deserialize
 from optax_lossscale._serialization import get as get
 from optax_lossscale._serialization import (
@@ -26,6 +31,7 @@ from optax_lossscale._serialization import serialize as serialize
 from optax_lossscale._states import (
   LossScaleOptimizerState as LossScaleOptimizerState,
 )
+from optax_lossscale._states import SkipRecord as SkipRecord
 from optax_lossscale._states import (
   UnscaleGradientsState as UnscaleGradientsState,
 )
@@ -41,12 +47,15 @@ from optax_lossscale._value_and_grad import (
 from optax_lossscale._version import __version__ as __version__
 
 __all__ = [
+  "ConsecutiveSkipsError",
   "DynamicLossScale",
   "FixedLossScale",
   "LossScale",
   "LossScaleOptimizer",
   "LossScaleOptimizerState",
   "NoOpLossScale",
+  "SkipMonitor",
+  "SkipRecord",
   "SkipReport",
   "UnscaleGradientsState",
   "__version__",
@@ -61,5 +70,6 @@ __all__ = [
   "register_loss_scale",
   "scaled_value_and_grad",
   "serialize",
+  "skip_report",
   "unscale_gradients",
 ]

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax import lax
+from jax.sharding import AxisType
 
 AxisName = Hashable | Sequence[Hashable] | None
 
@@ -18,12 +21,8 @@ def is_float0(x: Any) -> bool:
 
 
 def zeros_of(shapes: Any) -> Any:
-  """Zeros shaped like `shapes` (from `jax.eval_shape`); `None` stays."""
-  return jax.tree.map(
-    lambda s: None if s is None else jnp.zeros(s.shape, s.dtype),
-    shapes,
-    is_leaf=lambda x: x is None,
-  )
+  """Zeros like `shapes` (from `jax.eval_shape`), shardings included."""
+  return optax.tree.zeros_like(shapes)
 
 
 def array_leaves(tree: Any) -> list[jax.Array]:
@@ -31,12 +30,46 @@ def array_leaves(tree: Any) -> list[jax.Array]:
   return [x for x in jax.tree.leaves(tree) if not is_float0(x)]
 
 
+def _split_ways(x: jax.Array) -> tuple[int, int]:
+  """Into how many pieces `x`, and its last axis, may be split across devices.
+
+  Read from the type: Explicit mesh axes name the dimensions they split; an
+  Auto axis may split any dimension, so its size counts everywhere; Manual
+  axes (inside `shard_map`) hold whole local blocks. Outside any mesh, every
+  array is whole where it is.
+  """
+  sharding = jax.typeof(x).sharding
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None or mesh.empty:
+    return 1, 1
+  types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+  sizes = dict(mesh.shape)
+  auto = math.prod(sizes[n] for n, t in types.items() if t == AxisType.Auto)
+
+  def explicit(entry: Any) -> int:
+    names = entry if isinstance(entry, tuple) else (entry,)
+    return math.prod(
+      sizes[n] for n in names if n is not None and types[n] == AxisType.Explicit
+    )
+
+  spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+  whole = auto * math.prod(explicit(e) for e in spec)
+  last = auto * explicit(spec[-1]) if x.ndim else 1
+  return whole, last
+
+
+def _is_whole(x: jax.Array) -> bool:
+  """Whether each device holding `x` holds all of it (reshapes move nothing)."""
+  return _split_ways(x)[0] == 1
+
+
 def _nonfinite_probe(x: jax.Array) -> jax.Array:
   """A scalar that is NaN iff some element of `x` is NaN or infinite.
 
   Each element contributes `x - x`: exactly 0 when finite, NaN otherwise
   (inf - inf and NaN - NaN), and IEEE addition propagates NaN, so the sum is
-  exact whatever the order. XLA keeps `x - x` as it is for floating point (its
+  exact whatever the order. A sharded `x` is reduced where it lives: only
+  the scalar crosses devices. XLA keeps `x - x` as it is for floating point (its
   algebraic simplifier folds `A - A => 0` for integers only) and, on its CPU
   backend, fuses it into the reduction without a temporary buffer
   (`x * 0` is as exact, but is written out first). A `max`-based check is not
@@ -63,11 +96,13 @@ def _half_sum(zero: jax.Array) -> jax.Array:
   conversion is also shared with the unscaling, which is then written out too.
   Summing rows of 16 in the leaf's dtype first (exact here: every term is 0 or
   NaN) fuses with `x - x` and leaves a buffer of 1/16 of the size. Only the
-  last axis is split, so a sharded leaf keeps its sharding.
+  last axis is split, and only when each of its pieces on a device splits into
+  whole rows, so a sharded leaf keeps its sharding and nothing moves.
   """
-  if zero.ndim and zero.shape[-1] % _ROW == 0:
+  whole, last = _split_ways(zero)
+  if zero.ndim and zero.shape[-1] % (_ROW * last) == 0:
     return _sum_rows(zero.reshape(*zero.shape[:-1], -1, _ROW))
-  if zero.ndim == 1:
+  if zero.ndim == 1 and whole == 1:
     # A vector (or the concatenated small leaves): whole rows, then the tail.
     body = zero.size // _ROW * _ROW
     total = jnp.sum(zero[body:].astype(jnp.float32))
@@ -92,7 +127,9 @@ def _sum_rows(rows: jax.Array) -> jax.Array:
 # leaf of a few thousand elements costs more per step than copying it. Larger
 # leaves are checked in place: copying them costs more than a kernel of their
 # own (512 leaves of 32,768 elements: 1.9x the plain Adam step when copied,
-# 1.1x in place). One concatenation of thousands of operands also compiles
+# 1.1x in place). A leaf that may be split across devices is read in place
+# too, whatever its size: a concatenation would gather it (Auto axes) or be
+# refused (Explicit axes). One concatenation of thousands of operands also compiles
 # slowly: 2000 leaves in groups of 64 compile in about a third of the time.
 _SMALL_LEAF = 2**14
 _CONCAT = 64
@@ -101,13 +138,13 @@ _CONCAT = 64
 def _partition(leaves: list[jax.Array]) -> list[list[int]]:
   """The indices of the leaves read together, group by group.
 
-  A large leaf is a group of its own; small ones are grouped per dtype, up to
-  _CONCAT at a time.
+  A large or sharded leaf is a group of its own; small ones are grouped per
+  dtype, up to _CONCAT at a time.
   """
   small: dict[Any, list[int]] = {}
   groups = []
   for i, x in enumerate(leaves):
-    if x.size <= _SMALL_LEAF:
+    if x.size <= _SMALL_LEAF and _is_whole(x):
       small.setdefault(x.dtype, []).append(i)
     else:
       groups.append([i])
@@ -118,8 +155,9 @@ def _partition(leaves: list[jax.Array]) -> list[list[int]]:
 
 
 def _in_place(members: list[jax.Array]) -> bool:
-  """Whether a group is one large leaf, read where it is."""
-  return len(members) == 1 and members[0].size > _SMALL_LEAF
+  """Whether a group is one large or sharded leaf, read where it is."""
+  x = members[0]
+  return len(members) == 1 and (x.size > _SMALL_LEAF or not _is_whole(x))
 
 
 def _read_together(members: list[jax.Array]) -> jax.Array:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -11,9 +12,9 @@ import numpy as np
 import optax
 from jax import lax
 
-from optax_lossscale import _numerics, _report, _retry, _validation
+from optax_lossscale import _numerics, _retry, _validation
 from optax_lossscale._loss_scale import LossScale
-from optax_lossscale._states import LossScaleOptimizerState
+from optax_lossscale._states import LossScaleOptimizerState, SkipRecord
 from optax_lossscale._value_and_grad import scaled_value_and_grad
 
 __all__ = ["LossScaleOptimizer"]
@@ -189,24 +190,9 @@ class LossScaleOptimizer:
       them (a `FixedLossScale` or `NoOpLossScale`). False gives TensorFlow's
       exact behaviour.
     axis_name: a mapped axis over which replicas must agree (see `all_finite`).
-    on_skip: called on the host, through `jax.debug.callback`, with a
-      `SkipReport`, on skipped steps only (for example `ols.log_skip`). Under
-      `pmap`/`shard_map` it is called once per step, by the replica of index 0
-      along `axis_name`, and the report's counts are summed over replicas.
-    max_consecutive_skips: when the step that would be this many-th skip in a
-      row runs, it raises (see "Raises"). None skips for ever, as TensorFlow.
 
   Raises:
     TypeError: if an argument has the wrong type.
-    ValueError: if `max_consecutive_skips < 1`.
-    jax.errors.JaxRuntimeError: from a train step, when the stop rule fires:
-      from the call itself on the CPU, or, where dispatch is asynchronous,
-      from the first operation that waits on the step's results. Its message
-      carries the `max_consecutive_skips` report (scale, loss, the
-      non-finite leaves and the likely fix). The failing step is a skip:
-      it writes nothing. Without donation, the caller still holds the
-      parameters and optimizer state from before it; donated arrays are
-      consumed by the call, as always with donation.
 
   Examples:
     >>> import jax
@@ -231,8 +217,6 @@ class LossScaleOptimizer:
     *,
     skip_nonfinite: bool = True,
     axis_name: _numerics.AxisName = None,
-    on_skip: Callable[[_report.SkipReport], Any] | None = None,
-    max_consecutive_skips: int | None = None,
   ) -> None:
     call = "LossScaleOptimizer"
     if isinstance(inner, optax.MultiSteps):
@@ -245,40 +229,34 @@ class LossScaleOptimizer:
       )
     check_loss_scale(call, loss_scale)
     _validation.boolean(call, "skip_nonfinite", skip_nonfinite)
-    if on_skip is not None and not callable(on_skip):
-      raise TypeError(
-        f"`{call}(on_skip=...)` must be a callable or None, got"
-        f" {type(on_skip).__name__} {on_skip!r:.80}."
-      )
-    if max_consecutive_skips is not None:
-      _validation.integer(
-        call, "max_consecutive_skips", max_consecutive_skips, minimum=1
-      )
     self.inner = optax.with_extra_args_support(inner)
     self.loss_scale = loss_scale
     self.skip_nonfinite = bool(skip_nonfinite)
     self.axis_name = axis_name
-    self.on_skip = on_skip
-    self.max_consecutive_skips = max_consecutive_skips
 
   def __repr__(self) -> str:
     return (
       f"LossScaleOptimizer(loss_scale={self.loss_scale!r},"
-      f" skip_nonfinite={self.skip_nonfinite}, axis_name={self.axis_name!r},"
-      f" on_skip={self.on_skip!r},"
-      f" max_consecutive_skips={self.max_consecutive_skips!r})"
+      f" skip_nonfinite={self.skip_nonfinite}, axis_name={self.axis_name!r})"
     )
 
   def init(self, params: optax.Params) -> LossScaleOptimizerState:
     """Returns the initial state: the loss scale and `inner`'s state.
 
     Args:
-      params: the parameters, as `inner.init` takes them.
+      params: the parameters, as `inner.init` takes them. Their leaves'
+        paths name the leaves of skip reports.
 
     Returns:
       A `LossScaleOptimizerState` of fresh arrays (safe to donate).
     """
     zero = lambda: jnp.zeros((), jnp.int32)  # noqa: E731
+    names = tuple(
+      jax.tree_util.keystr(path)
+      for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+    )
+    no = lambda: jnp.array(False)  # noqa: E731
+    scale = self.loss_scale()
     return LossScaleOptimizerState(
       loss_scale=fresh_copy(self.loss_scale),
       inner_state=self.inner.init(params),
@@ -287,6 +265,17 @@ class LossScaleOptimizer:
       consecutive_skipped_steps=zero(),
       nonfinite_loss_steps=zero(),
       retries=zero(),
+      last_skip=SkipRecord(
+        loss_scale=jnp.copy(scale),
+        next_loss_scale=jnp.copy(scale),
+        skipped_steps=zero(),
+        consecutive_skipped_steps=zero(),
+        loss_given=no(),
+        loss_finite=jnp.array(True),
+        at_floor=no(),
+        nonfinite=jnp.zeros((len(names),), jnp.int32),
+        leaf_names=jnp.asarray(SkipRecord.encode_names(names)),
+      ),
     )
 
   def update(
@@ -555,18 +544,27 @@ class LossScaleOptimizer:
       state.loss_scale, grads_finite, loss_finite, self.skip_nonfinite
     )
 
-    applies, quiet = decision.should_apply, decision.should_apply
+    applies = decision.should_apply
     if held is not None:
-      applies, quiet = applies & ~held, quiet | held
-    out, inner_state = lax.cond(applies, apply, skip, params, state.inner_state)
-    if self.on_skip is not None or self.max_consecutive_skips is not None:
-      # A cond of its own: inside the update's, the gradients would become
-      # operands of the conditional that carries parameters and state, and
-      # XLA copies them there on every step.
-      lax.cond(
-        quiet, lambda: None, lambda: self._report(grads, state, decision)
-      )
+      applies = applies & ~held
+
+    def apply_(params: Any, inner_state: Any, record: Any) -> Any:
+      return *apply(params, inner_state), record
+
+    def skip_(params: Any, inner_state: Any, record: Any) -> Any:
+      # The record is written here, on skipped steps only: the gradients are
+      # already operands of this cond (the update reads them), and a cond of
+      # its own would cost a second conditional per step.
+      if record is not None:
+        new = self._record(grads, state, decision)
+        record = new if held is None else optax.tree.where(held, record, new)
+      return *skip(params, inner_state), record
+
+    out, inner_state, record = lax.cond(
+      applies, apply_, skip_, params, state.inner_state, state.last_skip
+    )
     new_state = self._next_state(state, decision, inner_state, retries)
+    new_state = new_state._replace(last_skip=record)
     if held is not None:
       # A held attempt keeps the counters and the attempt's loss scale (the
       # loop carries the lowered one apart); `inner_state` was kept by the
@@ -607,69 +605,59 @@ class LossScaleOptimizer:
       retries=total_retries,
     )
 
-  def _report(
-    self,
-    grads: Any,
-    state: LossScaleOptimizerState,
-    decision: Decision,
-  ) -> None:
-    """Inside the skip branch: tells the host, if asked (on_skip, stop rule).
+  def _counts(self, grads: Any, loss_scale: LossScale, slots: int) -> Any:
+    """Each gradient leaf's count of non-finite unscaled values (int32s).
 
-    The per-leaf counts are computed here only, so an applied step reads
-    nothing more and transfers nothing.
+    A state from `init(None)` has no slot: its records name no leaf.
     """
-    if self.on_skip is None and self.max_consecutive_skips is None:
-      return
-    flat = [
-      (jax.tree_util.keystr(path), leaf)
-      for path, leaf in jax.tree_util.tree_flatten_with_path(grads)[0]
-      if not _numerics.is_float0(leaf)
-    ]
-    handler = _report.SkipHandler(
-      self.on_skip,
-      self.max_consecutive_skips,
-      [name for name, _ in flat],
-      decision.loss_finite is not None,
+    flat = jax.tree.leaves(grads)
+    if slots == 0:
+      return jnp.zeros((0,), jnp.int32)
+    if len(flat) != slots:
+      raise ValueError(
+        "`LossScaleOptimizer.update(updates, state)`: `updates` has"
+        f" {len(flat)} leaves, but the parameters `init` was given had"
+        f" {slots}."
+      )
+    counted = [i for i, x in enumerate(flat) if not _numerics.is_float0(x)]
+    counts = _numerics.nonfinite_counts(
+      [flat[i] for i in counted], loss_scale.unscale
     )
+    if len(counted) < len(flat):  # float0 gradients count nothing
+      counts = (
+        jnp.zeros(len(flat), jnp.int32).at[np.asarray(counted)].set(counts)
+      )
+    return counts
+
+  def _record(
+    self, grads: Any, state: LossScaleOptimizerState, decision: Decision
+  ) -> SkipRecord:
+    """The record of a skipped step, from the state before it."""
+    record = state.last_skip
+    assert record is not None
     loss_scale = state.loss_scale
-    consecutive = optax.safe_increment(state.consecutive_skipped_steps)
+    counts = self._counts(grads, loss_scale, record.nonfinite.shape[-1])
+    if self.axis_name is not None:
+      # Gradients averaged before the step are the same on every replica:
+      # the largest count is the one to report, not their sum.
+      counts = lax.pmax(counts, self.axis_name)
     lowered = loss_scale.lowered()
-    at_floor = jnp.array(True) if lowered is None else lowered() >= loss_scale()
-
-    def send() -> None:
-      counts = _numerics.nonfinite_counts(
-        [leaf for _, leaf in flat], loss_scale.unscale
-      )
-      if self.axis_name is not None:
-        counts = lax.psum(counts, self.axis_name)
-      loss_finite = (
-        jnp.array(True)
-        if decision.loss_finite is None
-        else decision.loss_finite
-      )
-      args = (
-        loss_scale(),
-        decision.loss_scale(),
-        optax.safe_increment(state.skipped_steps),
-        consecutive,
-        loss_finite,
-        at_floor,
-        counts,
-      )
-      if self.axis_name is None:
-        jax.debug.callback(handler, *args)
-      else:
-        first = lax.axis_index(self.axis_name) == 0
-        lax.cond(
-          first, lambda: jax.debug.callback(handler, *args), lambda: None
-        )
-
-    if self.on_skip is None:
-      assert self.max_consecutive_skips is not None
-      # Only the stop rule: call the host when it fires, not on every skip.
-      lax.cond(consecutive >= self.max_consecutive_skips, send, lambda: None)
-    else:
-      send()
+    loss_finite = decision.loss_finite
+    return dataclasses.replace(
+      record,
+      loss_scale=loss_scale(),
+      next_loss_scale=decision.loss_scale(),
+      skipped_steps=optax.safe_increment(state.skipped_steps),
+      consecutive_skipped_steps=optax.safe_increment(
+        state.consecutive_skipped_steps
+      ),
+      loss_given=jnp.array(loss_finite is not None),
+      loss_finite=jnp.array(True) if loss_finite is None else loss_finite,
+      at_floor=(
+        jnp.array(True) if lowered is None else lowered() >= loss_scale()
+      ),
+      nonfinite=counts,
+    )
 
 
 def optimizer_of(tx: Any) -> LossScaleOptimizer | None:

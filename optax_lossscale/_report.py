@@ -1,20 +1,35 @@
-"""Skip reports: what a skipped step tells the host, and the stop rule."""
+"""Skip reports and the stop rule, read on the host from the state."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["SkipReport", "log_skip"]
+from optax_lossscale import _validation
+from optax_lossscale._states import (
+  LossScaleOptimizerState,
+  SkipRecord,
+  find_states,
+  first_copy,
+)
+
+__all__ = [
+  "ConsecutiveSkipsError",
+  "SkipMonitor",
+  "SkipReport",
+  "format_skip",
+  "log_skip",
+  "skip_report",
+]
 
 _LOGGER = logging.getLogger("optax_lossscale")
 
 
 class SkipReport(NamedTuple):
-  """What `LossScaleOptimizer(on_skip=...)` is told about a skipped step.
+  """A skipped step, as `skip_report` and `SkipMonitor` read it on the host.
 
   Attributes:
     loss_scale: the scale of the skipped step.
@@ -69,7 +84,7 @@ def _leaves(report: SkipReport) -> str:
 def log_skip(report: SkipReport) -> None:
   """Logs a skipped step as a warning of the `optax_lossscale` logger.
 
-  Pass it as `LossScaleOptimizer(..., on_skip=ols.log_skip)`.
+  `SkipMonitor`'s default `log`.
 
   Args:
     report: a `SkipReport`.
@@ -78,7 +93,7 @@ def log_skip(report: SkipReport) -> None:
 
 
 class ConsecutiveSkipsError(RuntimeError):
-  """Raised on the host when `max_consecutive_skips` is reached."""
+  """Raised by `SkipMonitor` when `max_consecutive_skips` is reached."""
 
 
 def stop_message(report: SkipReport, limit: int, at_floor: bool) -> str:
@@ -105,49 +120,182 @@ def stop_message(report: SkipReport, limit: int, at_floor: bool) -> str:
   )
 
 
-class SkipHandler:
-  """The host side of a skipped step: calls `on_skip`, applies the stop rule.
+def _scalar(x: Any) -> Any:
+  """A replicated scalar on the host; of a stacked one, replica 0's."""
+  return np.asarray(first_copy(x)).reshape(-1)[0]
 
-  Called through `jax.debug.callback` with NumPy values.
+
+def _optimizer_state(call: str, opt_state: Any) -> LossScaleOptimizerState:
+  found = find_states(opt_state, (LossScaleOptimizerState,))
+  if len(found) != 1:
+    raise ValueError(
+      f"`{call}(opt_state)` expects exactly one LossScaleOptimizerState in"
+      f" the state, found {len(found)}."
+    )
+  state: LossScaleOptimizerState = found[0]
+  return state
+
+
+def _report_of(record: SkipRecord) -> SkipReport | None:
+  skipped = int(_scalar(record.skipped_steps))
+  if skipped == 0:
+    return None
+  names = record.names()
+  counts = np.asarray(first_copy(record.nonfinite)).reshape(-1)[: len(names)]
+  return SkipReport(
+    loss_scale=float(_scalar(record.loss_scale)),
+    next_loss_scale=float(_scalar(record.next_loss_scale)),
+    skipped_steps=skipped,
+    consecutive_skipped_steps=int(_scalar(record.consecutive_skipped_steps)),
+    loss_finite=(
+      bool(_scalar(record.loss_finite))
+      if bool(_scalar(record.loss_given))
+      else None
+    ),
+    nonfinite={
+      name: int(n) for name, n in zip(names, counts, strict=True) if n > 0
+    },
+  )
+
+
+def skip_report(opt_state: Any) -> SkipReport | None:
+  """Returns the last skipped step recorded in an optimizer state, or None.
+
+  Reads, on the host, the `SkipRecord` that `LossScaleOptimizer` keeps in
+  its state, wherever the state is nested (`optax.chain`, a linen
+  `TrainState`, an `nnx.Optimizer`'s `opt_state`). It waits for the step
+  that produced the state: call it at your logging cadence, not every step.
+  A `pmap`-stacked state is read from replica 0 (replicas agree); for a
+  `vmap` ensemble, pass one member (`jax.tree.map(lambda x: x[i], state)`).
+
+  Args:
+    opt_state: an optimizer state holding one `LossScaleOptimizerState`.
+
+  Returns:
+    A `SkipReport`, or None before the first skip (and for a state restored
+    from a checkpoint written before records existed).
+
+  Raises:
+    ValueError: if the state holds no `LossScaleOptimizerState`, or several.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> import optax_lossscale as ols
+    >>> tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale())
+    >>> params = {"w": jnp.zeros(2)}
+    >>> state = tx.init(params)
+    >>> print(ols.skip_report(state))
+    None
+    >>> _, state = tx.update({"w": jnp.array([jnp.inf, 1.0])}, state, params)
+    >>> print(ols.format_skip(ols.skip_report(state)))
+    skipped step (1 in a row, 1 in all): loss scale 32768 -> 16384; no loss given; non-finite gradients: ['w'] (1)
+  """
+  record = _optimizer_state("skip_report", opt_state).last_skip
+  return None if record is None else _report_of(record)
+
+
+class SkipMonitor:
+  """Logs skipped steps and applies the stop rule, at the host's cadence.
+
+  Call it with the optimizer state wherever you log (Megatron-LM logs its
+  skipped iterations once per log interval the same way). It reads the
+  state's counters on the host, which waits for the step that produced
+  them; nothing runs inside the compiled step, so the step keeps JAX's
+  fast dispatch, and every process of a multi-process run, holding the
+  same replicated counters, logs and raises alike.
+
+  The trade: the stop rule fires at the first call after the limit is
+  reached, not inside the step. Skipped steps write nothing, so the steps
+  run meanwhile change no parameter and no optimizer moment; they only
+  lower the loss scale further (down to `min_loss_scale`).
+
+  Args:
+    max_consecutive_skips: raise `ConsecutiveSkipsError` when the state's
+      `consecutive_skipped_steps` has reached this; None never raises.
+    log: called with the last `SkipReport` when steps were skipped since the
+      previous call (once per report); None logs nothing.
+
+  Raises:
+    TypeError: if `log` is not callable or None, or `max_consecutive_skips`
+      not an int or None.
+    ValueError: if `max_consecutive_skips < 1`.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> import optax_lossscale as ols
+    >>> tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale())
+    >>> params = {"w": jnp.zeros(2)}
+    >>> state = tx.init(params)
+    >>> monitor = ols.SkipMonitor(max_consecutive_skips=2, log=None)
+    >>> _, state = tx.update({"w": jnp.array([jnp.nan, 1.0])}, state, params)
+    >>> monitor(state).consecutive_skipped_steps
+    1
+    >>> print(monitor(state))  # nothing skipped since the last call
+    None
+    >>> _, state = tx.update({"w": jnp.array([jnp.nan, 1.0])}, state, params)
+    >>> monitor(state)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    optax_lossscale._report.ConsecutiveSkipsError: LossScaleOptimizer: 2 consecutive steps skipped (max_consecutive_skips=2); ...
   """
 
   def __init__(
     self,
-    on_skip: Callable[[SkipReport], Any] | None,
-    max_consecutive_skips: int | None,
-    leaf_names: Sequence[str],
-    loss_given: bool,
+    *,
+    max_consecutive_skips: int | None = None,
+    log: Callable[[SkipReport], Any] | None = log_skip,
   ) -> None:
-    self.on_skip = on_skip
+    call = "SkipMonitor"
+    if max_consecutive_skips is not None:
+      _validation.integer(
+        call, "max_consecutive_skips", max_consecutive_skips, minimum=1
+      )
+    if log is not None and not callable(log):
+      raise TypeError(
+        f"`{call}(log=...)` must be a callable or None, got"
+        f" {type(log).__name__} {log!r:.80}."
+      )
     self.max_consecutive_skips = max_consecutive_skips
-    self.leaf_names = list(leaf_names)
-    self.loss_given = loss_given
+    self.log = log
+    self._seen = 0
 
-  def __call__(
-    self,
-    loss_scale: Any,
-    next_loss_scale: Any,
-    skipped_steps: Any,
-    consecutive_skipped_steps: Any,
-    loss_finite: Any,
-    at_floor: Any,
-    counts: Any,
-  ) -> None:
-    counts = np.asarray(counts).reshape(-1)[: len(self.leaf_names)]
-    report = SkipReport(
-      loss_scale=float(loss_scale),
-      next_loss_scale=float(next_loss_scale),
-      skipped_steps=int(skipped_steps),
-      consecutive_skipped_steps=int(consecutive_skipped_steps),
-      loss_finite=bool(loss_finite) if self.loss_given else None,
-      nonfinite={
-        name: int(n)
-        for name, n in zip(self.leaf_names, counts, strict=True)
-        if n > 0
-      },
+  def __repr__(self) -> str:
+    return (
+      f"SkipMonitor(max_consecutive_skips={self.max_consecutive_skips!r},"
+      f" log={self.log!r})"
     )
-    if self.on_skip is not None:
-      self.on_skip(report)
+
+  def __call__(self, opt_state: Any) -> SkipReport | None:
+    """Reads the state; logs and returns a new skip, or raises.
+
+    Args:
+      opt_state: an optimizer state holding one `LossScaleOptimizerState`.
+
+    Returns:
+      The last `SkipReport` if steps were skipped since the previous call
+      (or, on the first call, ever), else None.
+
+    Raises:
+      ConsecutiveSkipsError: if the state's `consecutive_skipped_steps` has
+        reached `max_consecutive_skips`. Its message names the count, the
+        scale and whether it sits at its floor, whether the loss was finite,
+        the leaves with non-finite gradients and the likely fix.
+    """
+    state = _optimizer_state("SkipMonitor", opt_state)
+    skipped = int(_scalar(state.skipped_steps))
+    new_skips, self._seen = skipped > self._seen, skipped
+    record = state.last_skip
+    report = None if record is None else _report_of(record)
+    if report is None:
+      return None
+    if new_skips and self.log is not None:
+      self.log(report)
     limit = self.max_consecutive_skips
-    if limit is not None and report.consecutive_skipped_steps >= limit:
-      raise ConsecutiveSkipsError(stop_message(report, limit, bool(at_floor)))
+    consecutive = int(_scalar(state.consecutive_skipped_steps))
+    if limit is not None and consecutive >= limit:
+      assert record is not None
+      at_floor = bool(_scalar(record.at_floor))
+      raise ConsecutiveSkipsError(stop_message(report, limit, at_floor))
+    return report if new_skips else None

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 
 from optax_lossscale._loss_scale import LossScale
 
 __all__ = [
   "LossScaleOptimizerState",
+  "SkipRecord",
   "UnscaleGradientsState",
   "get_loss_scale",
 ]
@@ -37,6 +42,81 @@ class UnscaleGradientsState(NamedTuple):
   should_apply: jax.Array
 
 
+def first_copy(x: Any) -> Any:
+  """`x` readable on this host: a multi-process array's first local shard.
+
+  Each process holds a whole copy of a replicated array; NNX variables are
+  unwrapped.
+  """
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    return x.addressable_data(0)
+  return x if isinstance(x, (jax.Array, np.ndarray)) else jnp.asarray(x)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SkipRecord:
+  """The last skipped step, as `LossScaleOptimizer` keeps it in its state.
+
+  Written on skipped steps only, inside the compiled step, and read on the
+  host by `skip_report` and `SkipMonitor`. Every field is a replicated array
+  (under `vmap`, one per member), so the record goes wherever the state
+  goes: `jit`, `lax.scan`, Orbax checkpoints, `optax.tree.map_params`.
+
+  Attributes:
+    loss_scale: the scale of the skipped step (float32).
+    next_loss_scale: the scale for the step after it (float32).
+    skipped_steps: the state's `skipped_steps` after it (int32); 0 before
+      the first skip.
+    consecutive_skipped_steps: how many steps in a row were skipped, this
+      one included (int32).
+    loss_given: whether the step was given the loss as `value=` (bool).
+    loss_finite: whether that loss was finite (bool; True when not given).
+    at_floor: whether the scale of the skipped step could not be lowered
+      (bool).
+    nonfinite: for each leaf of the parameters, how many of its unscaled
+      gradient values were not finite (int32, in `names()`' order): of the
+      global array under sharded `jit`, the largest over the replicas of
+      `axis_name`.
+    leaf_names: the leaves' names, `jax.tree_util.keystr` of their paths in
+      the parameters `init` was given, as UTF-8 bytes joined by newlines
+      (uint8); `names()` decodes them.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> import optax_lossscale as ols
+    >>> tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale())
+    >>> params = {"w": jnp.zeros(2)}
+    >>> _, state = tx.update(
+    ...   {"w": jnp.array([jnp.nan, 1.0])}, tx.init(params), params
+    ... )
+    >>> state.last_skip.names(), state.last_skip.nonfinite
+    (("['w']",), Array([1], dtype=int32))
+  """
+
+  loss_scale: jax.Array
+  next_loss_scale: jax.Array
+  skipped_steps: jax.Array
+  consecutive_skipped_steps: jax.Array
+  loss_given: jax.Array
+  loss_finite: jax.Array
+  at_floor: jax.Array
+  nonfinite: jax.Array
+  leaf_names: jax.Array
+
+  @staticmethod
+  def encode_names(names: Sequence[str]) -> np.ndarray:
+    """`names` as the uint8 array `leaf_names` holds."""
+    return np.frombuffer("\n".join(names).encode(), np.uint8)
+
+  def names(self) -> tuple[str, ...]:
+    """The leaves' names, decoded on the host (replica or member 0)."""
+    raw = np.asarray(first_copy(self.leaf_names))
+    text = raw.reshape(-1, raw.shape[-1] if raw.ndim else 0)[:1].tobytes()
+    return tuple(text.decode().split("\n")) if text else ()
+
+
 class LossScaleOptimizerState(NamedTuple):
   """The state of `LossScaleOptimizer` (and `loss_scale_optimizer`).
 
@@ -54,11 +134,13 @@ class LossScaleOptimizerState(NamedTuple):
       (`value=`), int32.
     retries: how many times `minimize` recomputed a batch at a lower scale
       (int32).
+    last_skip: the last skipped step, a `SkipRecord`; read it with
+      `skip_report` or `SkipMonitor`.
 
   A 0.1.0 checkpoint (five fields) restores into a dict of the first five
   fields, `{k: v for k, v in tx.init(params)._asdict().items() if k not in
   ("nonfinite_loss_steps", "retries")}`, and then into the full state with
-  `tx.init(params)._replace(**restored)`. A state whose two new counters are
+  `tx.init(params)._replace(**restored)`. A state whose three new fields are
   None steps too, and keeps them None.
 
   Examples:
@@ -81,9 +163,18 @@ class LossScaleOptimizerState(NamedTuple):
   consecutive_skipped_steps: jax.Array
   nonfinite_loss_steps: jax.Array | None = None
   retries: jax.Array | None = None
+  last_skip: SkipRecord | None = None
 
 
 _STATES = (UnscaleGradientsState, LossScaleOptimizerState)
+
+
+def find_states(opt_state: Any, types: tuple[type, ...] = _STATES) -> list[Any]:
+  """The nodes of `opt_state` of the given types, wherever they are nested."""
+  is_state = lambda x: isinstance(x, types)  # noqa: E731
+  return [
+    n for n in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(n)
+  ]
 
 
 def get_loss_scale(opt_state: optax.OptState) -> LossScale:
@@ -111,13 +202,7 @@ def get_loss_scale(opt_state: optax.OptState) -> LossScale:
     >>> ols.get_loss_scale(tx.init(jnp.zeros(3)))
     FixedLossScale(loss_scale_value=256.0)
   """
-  found = [
-    node
-    for node in jax.tree.leaves(
-      opt_state, is_leaf=lambda x: isinstance(x, _STATES)
-    )
-    if isinstance(node, _STATES)
-  ]
+  found = find_states(opt_state)
   if len(found) != 1:
     raise ValueError(
       "`get_loss_scale(opt_state)` expects exactly one loss scale in the"

@@ -104,7 +104,7 @@ def loss_scale_optimizer(
     inner: the optimizer to wrap.
     loss_scale: the initial loss scale.
     **kwargs: the keyword arguments of `LossScaleOptimizer` (`skip_nonfinite`,
-      `axis_name`, `on_skip`, `max_consecutive_skips`).
+      `axis_name`).
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is a

@@ -24,7 +24,7 @@ network, with `DynamicLossScale` and the loss passed as `value=`, it injects
 NaN inputs at one step (a non-finite loss: skipped, the scale unchanged) and,
 at another, a batch whose loss is weighted by `OVERFLOW_WEIGHT` (a finite loss
 whose float16 gradients overflow: skipped, the scale halved, or kept with
-`hysteresis=2`), and prints the `on_skip` reports. Last, with the loss summed
+`hysteresis=2`), and prints what `SkipMonitor` logs every `LOG_EVERY` steps. Last, with the loss summed
 over the batch so that 2**15 overflows, it counts the batches dropped in the
 first 100 steps with TensorFlow's defaults (`DynamicLossScale()` through
 `apply_gradients`) and with `DynamicLossScale(initial_loss_scale=2**24)` and
@@ -53,6 +53,8 @@ LEARNING_RATE = 1e-3
 FIXED_SCALE = 2.0**12
 # Steps run per compiled call (a `lax.scan`); the progress bar moves by these.
 CHUNK = 50
+# The failure-mode runs read the state with a SkipMonitor this often.
+LOG_EVERY = 5
 
 
 def _require(module: str) -> Any:
@@ -261,14 +263,15 @@ def failure_modes(
   """Trains in float16 with a NaN-loss step and an overflowing step injected.
 
   The NaN inputs come at step `steps // 3`, the overflowing batch at
-  `2 * steps // 3` (1-based); `on_skip` collects the reports.
+  `2 * steps // 3` (1-based); a `SkipMonitor` reads the state every
+  `LOG_EVERY` steps and collects what it logs.
   """
   x_train, y_train = jnp.asarray(data[0]), jnp.asarray(data[1])
   reports: list[ols.SkipReport] = []
+  monitor = ols.SkipMonitor(max_consecutive_skips=20, log=reports.append)
   tx = ols.LossScaleOptimizer(
     optax.adam(LEARNING_RATE),
     ols.DynamicLossScale(increment_period=200, hysteresis=hysteresis),
-    on_skip=reports.append,
   )
   params = _init(jax.random.PRNGKey(args.seed))
   state = tx.init(params)
@@ -280,8 +283,8 @@ def failure_modes(
   run_chunk = _make_fault_chunk(tx)
   rng = np.random.RandomState(args.seed + 1)
   chunks = []
-  for start in range(0, args.steps, CHUNK):
-    stop = min(start + CHUNK, args.steps)
+  for start in range(0, args.steps, LOG_EVERY):
+    stop = min(start + LOG_EVERY, args.steps)
     indices = rng.randint(0, len(data[0]), (stop - start, args.batch_size))
     params, state, stats = run_chunk(
       params,
@@ -292,9 +295,9 @@ def failure_modes(
       nan[start:stop],
       weight[start:stop],
     )
+    monitor(state)
     chunks.append(jax.device_get(stats))
   history = {k: np.concatenate([c[k] for c in chunks]) for k in chunks[0]}
-  reports.sort(key=lambda r: r.skipped_steps)  # callbacks may come unordered
   assert state.nonfinite_loss_steps is not None  # a fresh state counts them
   return {
     "hysteresis": hysteresis,
@@ -393,7 +396,8 @@ def _failure_text(faults: list[dict[str, Any]], dropped: dict[str, int]) -> str:
     "\nFailure modes, float16, same network: NaN inputs at one step (the loss"
     f" is NaN) and, at another, a batch whose loss is weighted by"
     f" {OVERFLOW_WEIGHT:g} (finite loss, overflowing float16 gradients);"
-    " the loss is passed as value=, on_skip collects the reports."
+    f" the loss is passed as value=, a SkipMonitor logs every {LOG_EVERY}"
+    " steps."
   ]
   for run in faults:
     lines += _describe_faults(run)

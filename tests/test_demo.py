@@ -38,7 +38,7 @@ def test_demo_runs_and_writes_a_png(tmp_path, capsys, monkeypatch):
 
 def _check_failure_modes(printed):
   # Two runs (hysteresis 1 and 2), each with NaN inputs at step 5 and an
-  # overflowing batch at step 10 of 15; each skip is logged by on_skip.
+  # overflowing batch at step 10 of 15; a SkipMonitor logs each skip.
   assert printed.count("log: skipped step") == 4
   assert printed.count("loss NON-FINITE") == 2
   nan_steps = re.findall(

@@ -218,29 +218,48 @@ def test_a_0_1_0_state_without_the_new_counters_still_steps():
 # --- skip reports -------------------------------------------------------------------
 
 
-def test_on_skip_reports_skipped_steps_only_naming_the_leaves():
-  reports = []
-  tx = ols.LossScaleOptimizer(
-    optax.adam(0.1), ols.DynamicLossScale(8.0), on_skip=reports.append
-  )
+def _reports(tx, step, batches, params):
+  """The state's skip report after each step, read on the host."""
+  state, reports = tx.init(params), []
+  for grads, extra in batches:
+    params, state = step(grads, state, params, **extra)
+    reports.append(ols.skip_report(state))
+  return reports, state
+
+
+def test_skip_report_records_skipped_steps_only_naming_the_leaves():
+  tx = ols.LossScaleOptimizer(optax.adam(0.1), ols.DynamicLossScale(8.0))
   params = {"a": jnp.ones(3), "b": {"c": jnp.ones((2, 2))}}
-  state = tx.init(params)
-  step = jax.jit(tx.apply_gradients)
   good = jax.tree.map(jnp.ones_like, params)
-  params, state = step(good, state, params, value=jnp.float32(1))
-  jax.effects_barrier()
-  assert reports == []
   bad = {"a": jnp.array([1.0, jnp.nan, jnp.inf]), "b": {"c": jnp.ones((2, 2))}}
-  params, state = step(bad, state, params, value=jnp.float32(1))
-  params, state = step(good, state, params, value=jnp.float32(jnp.nan))
-  jax.effects_barrier()
-  assert reports == [
-    ols.SkipReport(8.0, 4.0, 1, 1, True, {"['a']": 2}),
-    ols.SkipReport(4.0, 4.0, 2, 2, False, {}),
-  ]
-  _, state = jax.jit(tx.update)(bad, state, params)
-  jax.effects_barrier()
-  assert reports[-1].loss_finite is None and reports[-1].skipped_steps == 3
+  one, nan = dict(value=jnp.float32(1)), dict(value=jnp.float32(jnp.nan))
+  reports, state = _reports(
+    tx,
+    jax.jit(tx.apply_gradients),
+    [(good, one), (bad, one), (good, nan), (good, one), (bad, {})],
+    params,
+  )
+  first = ols.SkipReport(8.0, 4.0, 1, 1, True, {"['a']": 2})
+  second = ols.SkipReport(4.0, 4.0, 2, 2, False, {})
+  assert reports[:4] == [None, first, second, second]
+  assert reports[4] == ols.SkipReport(4.0, 2.0, 3, 1, None, {"['a']": 2})
+  assert state.last_skip.names() == ("['a']", "['b']['c']")
+
+
+def test_no_compiled_step_contains_a_host_callback():
+  tx = ols.LossScaleOptimizer(optax.adam(0.1), ols.DynamicLossScale(8.0))
+  params = {"w": jnp.ones(3)}
+  state = tx.init(params)
+  loss = lambda p: jnp.sum(p["w"] ** 2)  # noqa: E731
+  for jaxpr in [
+    jax.make_jaxpr(tx.update)(params, state, params),
+    jax.make_jaxpr(tx.apply_gradients)(params, state, params),
+    jax.make_jaxpr(lambda p, s: tx.minimize(loss, p, s, max_retries=2))(
+      params, state
+    ),
+  ]:
+    text = str(jaxpr)
+    assert "callback" not in text and "cond" in text
 
 
 def test_skip_report_counts_every_leaf_of_a_large_mixed_tree():
@@ -263,24 +282,19 @@ def test_skip_report_counts_every_leaf_of_a_large_mixed_tree():
     f"['{k}']": int(np.sum(~np.isfinite(v))) for k, v in sorted(grads.items())
   }
   expected = {k: n for k, n in expected.items() if n}
-  reports = []
-  tx = ols.LossScaleOptimizer(
-    optax.sgd(0.1), ols.DynamicLossScale(1.0), on_skip=reports.append
-  )
+  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale(1.0))
   params = jax.tree.map(lambda g: jnp.zeros(g.shape, jnp.float32), grads)
-  jax.jit(tx.update)(jax.tree.map(jnp.asarray, grads), tx.init(params), params)
-  jax.effects_barrier()
-  assert len(reports) == 1 and reports[0].nonfinite == expected
+  _, state = jax.jit(tx.update)(
+    jax.tree.map(jnp.asarray, grads), tx.init(params), params
+  )
+  assert ols.skip_report(state).nonfinite == expected
 
 
 def test_skip_report_counts_unscaled_values_of_every_dtype_and_size():
   # A scale below 1: a finite float16 40000 overflows once unscaled, and is
   # counted; zero-size, bfloat16 and complex leaves are counted too.
-  reports = []
   tx = ols.LossScaleOptimizer(
-    optax.sgd(0.1),
-    ols.DynamicLossScale(0.5, min_loss_scale=0.25),
-    on_skip=reports.append,
+    optax.sgd(0.1), ols.DynamicLossScale(0.5, min_loss_scale=0.25)
   )
   grads = {
     "half": jnp.array([40000.0, 1.0, 1.0], jnp.float16),
@@ -290,44 +304,49 @@ def test_skip_report_counts_unscaled_values_of_every_dtype_and_size():
     "fine": jnp.ones(5, jnp.float32),
   }
   params = jax.tree.map(lambda g: jnp.zeros(g.shape, g.dtype), grads)
-  jax.jit(tx.update)(grads, tx.init(params), params)
-  jax.effects_barrier()
-  assert reports[0].nonfinite == {
+  _, state = jax.jit(tx.update)(grads, tx.init(params), params)
+  assert ols.skip_report(state).nonfinite == {
     "['brain']": 1,
     "['complex']": 1,
     "['half']": 1,
   }
 
 
-def test_skip_reports_need_little_memory_beyond_the_default_step():
-  # The report branch's buffers count in the step's temporary memory, also on
+def test_skip_record_counts_nothing_for_float0_gradients():
+  tx = ols.LossScaleOptimizer(optax.identity(), ols.DynamicLossScale(4.0))
+  params = {"n": jnp.arange(3), "w": jnp.ones(2)}
+
+  def loss(p):
+    return jnp.sum(p["w"] * p["n"][:2].astype(jnp.float32)) * jnp.inf
+
+  state = tx.init(params)
+  grads = jax.grad(loss, allow_int=True)(params)
+  _, state = jax.jit(tx.update)(grads, state, params)
+  assert ols.skip_report(state).nonfinite == {"['w']": 2}  # nan and inf
+
+
+def test_skip_records_need_little_memory_beyond_a_step_without_them():
+  # The record's buffers count in the step's temporary memory, also on
   # applied steps: they are about the size of the small leaves, never
   # (leaves x elements).
   params = {f"p{i:03d}": jnp.zeros(1000) for i in range(200)}
+  tx = ols.LossScaleOptimizer(optax.adam(0.1), ols.DynamicLossScale())
 
-  def temp(**options):
-    tx = ols.LossScaleOptimizer(
-      optax.adam(0.1), ols.DynamicLossScale(), **options
-    )
+  def temp(state):
     compiled = (
       jax.jit(tx.apply_gradients, donate_argnums=(1, 2))
-      .lower(params, tx.init(params), params)
+      .lower(params, state, params)
       .compile()
     )
     return compiled.memory_analysis().temp_size_in_bytes
 
+  state = tx.init(params)
   small_bytes = 200 * 1000 * 4
-  assert temp(on_skip=ols.log_skip) <= temp() + 2 * small_bytes
+  assert temp(state) <= temp(state._replace(last_skip=None)) + 2 * small_bytes
 
 
-def test_an_applied_step_with_on_skip_transfers_nothing():
-  calls = []
-  tx = ols.LossScaleOptimizer(
-    optax.adam(0.1),
-    ols.DynamicLossScale(8.0),
-    on_skip=calls.append,
-    max_consecutive_skips=3,
-  )
+def test_an_applied_step_transfers_nothing():
+  tx = ols.LossScaleOptimizer(optax.adam(0.1), ols.DynamicLossScale(8.0))
   params = {"w": jnp.ones(4)}
   state = tx.init(params)
   step = jax.jit(tx.apply_gradients)
@@ -337,75 +356,97 @@ def test_an_applied_step_with_on_skip_transfers_nothing():
     for _ in range(3):
       params, state = step(grads, state, params, value=value)
     jax.block_until_ready(params)
-  jax.effects_barrier()
-  assert calls == []
+  assert int(state.skipped_steps) == 0
 
 
-def test_log_skip_logs_a_warning(caplog):
-  tx = ols.LossScaleOptimizer(
-    optax.sgd(0.1), ols.FixedLossScale(2), on_skip=ols.log_skip
-  )
+def test_skip_monitor_logs_each_skip_once_as_a_warning(caplog):
+  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.FixedLossScale(2))
   params = {"w": jnp.ones(2)}
+  step = jax.jit(tx.update)
+  monitor = ols.SkipMonitor()
+  state = tx.init(params)
   with caplog.at_level("WARNING", logger="optax_lossscale"):
-    jax.jit(tx.update)(
-      {"w": jnp.array([jnp.nan, 1.0])}, tx.init(params), params
-    )
-    jax.effects_barrier()
-  assert "skipped step (1 in a row, 1 in all)" in caplog.text
-  assert "['w'] (1)" in caplog.text
+    assert monitor(state) is None
+    _, state = step({"w": jnp.array([jnp.nan, 1.0])}, state, params)
+    assert monitor(state).nonfinite == {"['w']": 1}
+    assert monitor(state) is None  # nothing new: not logged again
+    for _ in range(2):
+      _, state = step({"w": jnp.array([jnp.nan, jnp.inf])}, state, params)
+    assert monitor(state).skipped_steps == 3  # the last of the two
+  lines = [r for r in caplog.records if r.name == "optax_lossscale"]
+  assert len(lines) == 2
+  assert "skipped step (1 in a row, 1 in all)" in lines[0].getMessage()
+  assert "['w'] (1)" in lines[0].getMessage()
+  assert "skipped step (3 in a row, 3 in all)" in lines[1].getMessage()
+
+
+def test_skip_monitor_with_log_none_logs_nothing(caplog):
+  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.FixedLossScale(2))
+  params = {"w": jnp.ones(2)}
+  _, state = tx.update({"w": jnp.array([jnp.nan, 1.0])}, tx.init(params))
+  with caplog.at_level("WARNING", logger="optax_lossscale"):
+    assert ols.SkipMonitor(log=None)(state).skipped_steps == 1
+  assert caplog.text == ""
+
+
+def test_skip_monitor_validates_its_arguments():
+  with pytest.raises(ValueError, match="max_consecutive_skips"):
+    ols.SkipMonitor(max_consecutive_skips=0)
+  with pytest.raises(TypeError, match="max_consecutive_skips"):
+    ols.SkipMonitor(max_consecutive_skips=2.0)
+  with pytest.raises(TypeError, match="log"):
+    ols.SkipMonitor(log="print")
+  with pytest.raises(ValueError, match="LossScaleOptimizerState"):
+    ols.SkipMonitor()(ols.unscale_gradients(ols.FixedLossScale(2)).init(None))
 
 
 # --- the stop rule ---------------------------------------------------------------------
 
 
-def _stop_run(donate):
+def _stop_run(donate, steps):
   tx = ols.LossScaleOptimizer(
-    optax.adam(0.1),
-    ols.DynamicLossScale(4.0, min_loss_scale=1.0),
-    max_consecutive_skips=3,
+    optax.adam(0.1), ols.DynamicLossScale(4.0, min_loss_scale=1.0)
   )
   params = {"w": jnp.ones(3), "v": jnp.ones(2)}
   state = tx.init(params)
   step = jax.jit(tx.apply_gradients, donate_argnums=(1, 2) if donate else ())
   bad = {"w": jnp.array([jnp.inf, 1.0, 1.0]), "v": jnp.ones(2)}
-  for _ in range(2):
+  for _ in range(steps):
     params, state = step(bad, state, params, value=jnp.float32(2))
-  return step, bad, params, state
+  return params, state
 
 
 @pytest.mark.parametrize("donate", [False, True])
-def test_stop_rule_raises_from_a_plain_jit_step(donate):
-  step, bad, params, state = _stop_run(donate)
+def test_skip_monitor_raises_when_the_limit_is_reached(donate):
+  monitor = ols.SkipMonitor(max_consecutive_skips=3, log=None)
+  params, state = _stop_run(donate, 2)
+  assert monitor(state).consecutive_skipped_steps == 2
+  params, state = _stop_run(donate, 3)
   kept = jax.device_get((params, state))
-  with pytest.raises(jax.errors.JaxRuntimeError) as error:
-    jax.block_until_ready(step(bad, state, params, value=jnp.float32(2)))
+  with pytest.raises(ols.ConsecutiveSkipsError) as error:
+    monitor(state)
+  assert isinstance(error.value, RuntimeError)
   message = str(error.value)
   assert "3 consecutive steps skipped (max_consecutive_skips=3)" in message
   assert "The loss scale is 1, at its floor (min_loss_scale)" in message
   assert "The loss was finite" in message
   assert "['w'] (1)" in message
   assert "lower min_loss_scale" in message and "float32" in message
-  # The failing step is a skip: it wrote nothing. Arrays the caller holds
-  # (donated ones too, unless the backend consumed them) are bit for bit
-  # those from before it.
-  live = [x for x in jax.tree.leaves((params, state)) if not x.is_deleted()]
-  if not donate:
-    assert len(live) == len(jax.tree.leaves(kept))
+  # The monitor only reads: the state it was given is intact, and it raises
+  # again as long as the streak lasts.
   for x, k in zip(
-    jax.tree.leaves((params, state)), jax.tree.leaves(kept), strict=True
+    jax.tree.leaves(state), jax.tree.leaves(kept[1]), strict=True
   ):
-    if not x.is_deleted():
-      np.testing.assert_array_equal(x, k)
+    np.testing.assert_array_equal(x, k)
+  with pytest.raises(ols.ConsecutiveSkipsError):
+    monitor(state)
 
 
-def test_stop_rule_says_when_the_loss_itself_was_not_finite():
-  tx = ols.LossScaleOptimizer(
-    optax.sgd(0.1), ols.DynamicLossScale(4.0), max_consecutive_skips=1
-  )
+def test_skip_monitor_says_when_the_loss_itself_was_not_finite():
+  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale(4.0))
   params = {"w": jnp.ones(2)}
-  with pytest.raises(jax.errors.JaxRuntimeError, match="NOT finite"):
-    jax.block_until_ready(
-      jax.jit(tx.apply_gradients)(
-        {"w": jnp.ones(2)}, tx.init(params), params, value=jnp.float32(jnp.nan)
-      )
-    )
+  _, state = jax.jit(tx.apply_gradients)(
+    {"w": jnp.ones(2)}, tx.init(params), params, value=jnp.float32(jnp.nan)
+  )
+  with pytest.raises(ols.ConsecutiveSkipsError, match="NOT finite"):
+    ols.SkipMonitor(max_consecutive_skips=1)(state)

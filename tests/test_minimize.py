@@ -163,35 +163,29 @@ def test_max_retries_validation():
     tx.minimize(_loss, params, tx.init(params), X, has_aux=1)
 
 
-def test_retried_attempts_report_nothing_and_a_dropped_batch_reports_once():
-  reports = []
-  tx = ols.LossScaleOptimizer(
-    optax.sgd(0.1),
-    ols.DynamicLossScale(2.0**24),
-    on_skip=reports.append,
-    max_consecutive_skips=2,
-  )
+def test_retried_attempts_record_nothing_and_a_dropped_batch_once():
+  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale(2.0**24))
+  monitor = ols.SkipMonitor(max_consecutive_skips=2, log=None)
   params = _params()
   step = jax.jit(
     lambda p, s, x, r: tx.minimize(_loss, p, s, x, max_retries=r),
     static_argnums=3,
   )
-  # Retries that end in a finite attempt: no skip, so no report.
+  # Retries that end in a finite attempt: no skip, so no record.
   _, _, state = step(params, tx.init(params), X, 16)
-  jax.effects_barrier()
-  assert reports == [] and int(state.retries) > 0
-  # Retries that run out: one report, of the last attempt's scale.
+  assert ols.skip_report(state) is None and int(state.retries) > 0
+  assert monitor(state) is None
+  # Retries that run out: one record, of the last attempt's scale.
   _, new_params, state = step(params, tx.init(params), X, 2)
-  jax.effects_barrier()
-  assert len(reports) == 1
-  assert reports[0].loss_scale == 2.0**22
-  assert reports[0].next_loss_scale == 2.0**21
-  assert reports[0].consecutive_skipped_steps == 1 and reports[0].nonfinite
+  report = monitor(state)
+  assert report.loss_scale == 2.0**22 and report.next_loss_scale == 2.0**21
+  assert report.consecutive_skipped_steps == 1 and report.nonfinite
+  assert report.skipped_steps == 1
   chex.assert_trees_all_equal(new_params, params)
   # The next dropped batch (a NaN loss: no retry) is the second in a row.
-  with pytest.raises(jax.errors.JaxRuntimeError, match="2 consecutive"):
-    _, _, state = step(params, state, X * jnp.nan, 2)
-    jax.block_until_ready(state)
+  _, _, state = step(params, state, X * jnp.nan, 2)
+  with pytest.raises(ols.ConsecutiveSkipsError, match="2 consecutive"):
+    monitor(state)
 
 
 def test_retries_that_run_out_then_skip_under_hysteresis():
