@@ -209,4 +209,5 @@ def get_loss_scale(opt_state: optax.OptState) -> LossScale:
       f" state (from `unscale_gradients` or `LossScaleOptimizer`), found"
       f" {len(found)}."
     )
-  return found[0].loss_scale
+  loss_scale: LossScale = found[0].loss_scale
+  return loss_scale
