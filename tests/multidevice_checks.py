@@ -1,4 +1,9 @@
-"""Run in a subprocess with 8 host CPU devices (see test_multidevice.py)."""
+"""Run in a subprocess with 8 host CPU devices (see test_multidevice.py).
+
+`python tests/multidevice_checks.py NAME[:AXES] ...` runs `check_NAME`, with
+meshes of `jax.make_mesh`'s default axis types (Explicit) or, with `:auto`,
+of `AxisType.Auto`.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import os
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 
+import contextlib  # noqa: E402
 import sys  # noqa: E402
 from functools import partial  # noqa: E402
 
@@ -21,10 +27,21 @@ import optax_lossscale as ols  # noqa: E402
 assert jax.device_count() == 8, jax.devices()
 N = 8
 AUTO = jax.sharding.AxisType.Auto
+# Set from the command line: None (jax.make_mesh's default) or AUTO.
+AXIS_TYPE = None
+GATHERS = ("all-gather", "all-to-all", "collective-permute")
 
 
 def _mesh(shape, names):
-  return jax.make_mesh(shape, names, axis_types=(AUTO,) * len(shape))
+  if AXIS_TYPE is None:
+    return jax.make_mesh(shape, names)
+  return jax.make_mesh(shape, names, axis_types=(AXIS_TYPE,) * len(shape))
+
+
+def _no_gradient_moves(compiled, what):
+  hlo = compiled.as_text()
+  for op in GATHERS:
+    assert f"{op}(" not in hlo and f"{op}-start(" not in hlo, (what, op)
 
 
 def _make(axis_name=None):
@@ -98,7 +115,6 @@ def check_shard_map():
     mesh=mesh,
     in_specs=(P("i"), P(), P("i")),
     out_specs=(P("i"), P()),
-    check_vma=False,
   )
   def step(params, state, grads):
     updates, state = tx.update(grads, state, params)
@@ -125,9 +141,15 @@ def _sharded_run(mesh, param_spec, data_spec):
   y = x @ jnp.arange(8.0)[:, None]
   params = {"w": jnp.zeros((8, 8)), "v": jnp.zeros((8, 1))}
 
+  # Under Explicit axes, a contraction over a sharded axis says how its
+  # output is sharded.
+  explicit = mesh is not None and AXIS_TYPE is None
+  out = dict(out_sharding=P(data_spec[0], None)) if explicit else {}
+
   def loss_fn(p, x, y):
     h = x.astype(jnp.float16) @ p["w"].astype(jnp.float16)
-    pred = (h @ p["v"].astype(jnp.float16)).astype(jnp.float32)
+    pred = jnp.matmul(h, p["v"].astype(jnp.float16), **out)
+    pred = pred.astype(jnp.float32)
     return jnp.mean((pred - y) ** 2) + jnp.sum(p["w"] ** 2) * 1e-3
 
   tx = ols.loss_scale_optimizer(
@@ -149,9 +171,10 @@ def _sharded_run(mesh, param_spec, data_spec):
     y = jax.device_put(y, NamedSharding(mesh, data_spec))
     in_state_shardings = jax.tree.map(lambda a: a.sharding, state)
   run = jax.jit(step, donate_argnums=(0, 1))
-  for _ in range(12):
-    params, state = run(params, state, x, y)
-    applied.append(bool(state.should_apply))
+  with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+    for _ in range(12):
+      params, state = run(params, state, x, y)
+      applied.append(bool(state.should_apply))
   if mesh is not None:
     for k in params:
       assert params[k].sharding.is_equivalent_to(ps[k], 2), params[k].sharding
@@ -162,9 +185,10 @@ def _sharded_run(mesh, param_spec, data_spec):
       jax.tree.leaves(state),
       strict=True,
     ):
-      if leaf.ndim:  # arrays keep their sharding: nothing is gathered
+      if leaf.ndim and len(a.device_set) > 1:
+        # Sharded arrays keep their sharding: nothing is gathered.
         assert b.is_equivalent_to(a, leaf.ndim), (a, b)
-      else:  # scalars (the loss scale, counters) end up replicated
+      else:  # the rest (the loss scale, counters, record) end up replicated
         assert b.is_fully_replicated, b
     assert state.loss_scale.current_loss_scale.sharding.is_fully_replicated
   return params, state, applied
@@ -195,16 +219,17 @@ def check_sharded_leaves_are_checked_in_place():
   mesh = _mesh((2, 4), ("data", "model"))
   sharding = NamedSharding(mesh, P("data", "model"))
   check = jax.jit(ols.all_finite)
-  for dtype in (jnp.float16, jnp.bfloat16, jnp.float32):
-    for shape in [(512, 1024), (512, 1000)]:
-      x = jax.device_put(jnp.ones(shape, dtype), sharding)
-      hlo = check.lower(x).compile().as_text()
-      for op in ("all-gather", "all-to-all", "collective-permute"):
-        assert op not in hlo, (dtype, shape, op)
-      assert bool(check(x))
-      for index in [(0, 0), (300, 700), (511, shape[1] - 1)]:
-        bad = jax.device_put(x.at[index].set(jnp.nan), sharding)
-        assert not bool(check(bad)), (dtype, shape, index)
+  with jax.set_mesh(mesh):
+    for dtype in (jnp.float16, jnp.bfloat16, jnp.float32):
+      for shape in [(512, 1024), (512, 1000), (64, 24)]:
+        x = jax.device_put(jnp.ones(shape, dtype), sharding)
+        _no_gradient_moves(check.lower(x).compile(), (dtype, shape))
+        assert bool(check(x))
+        for index in [(0, 0), (40, 17), (63, shape[1] - 1)]:
+          host = np.ones(shape, dtype)
+          host[index] = np.nan
+          bad = jax.device_put(host, sharding)
+          assert not bool(check(bad)), (dtype, shape, index)
 
 
 def check_nan_loss_on_one_replica():
@@ -257,35 +282,231 @@ def check_minimize_retries_agree():
   assert np.asarray(state.should_apply).all()
   assert len(set(np.asarray(state.loss_scale.current_loss_scale).tolist())) == 1
   assert np.isfinite(np.asarray(params["w"])).all()
-  # With a report: retries that succeed report nothing; retries that run out
-  # report once per step (not once per replica).
+  # The skip record: retries that succeed record nothing; retries that run
+  # out record the step once, with the largest count over replicas (not
+  # their sum), and every replica holds the same record.
   needed = int(retries[0])
   params = {"w": jnp.full((4, 3), 0.5, jnp.float32)}
-  reports = []
-  reporting = ols.LossScaleOptimizer(
-    optax.sgd(0.1),
-    ols.DynamicLossScale(2.0**15, 100),
-    axis_name="i",
-    on_skip=reports.append,
-  )
-  state = jax.pmap(reporting.init, devices=devices)(params)
+  state = jax.pmap(tx.init, devices=devices)(params)
   for max_retries in (needed, needed - 1):
     step = jax.pmap(
-      lambda p, s, x, r=max_retries: reporting.minimize(
-        loss, p, s, x, max_retries=r
-      ),
+      lambda p, s, x, r=max_retries: tx.minimize(loss, p, s, x, max_retries=r),
       axis_name="i",
       devices=devices,
     )
     _, _, new_state = step(params, state, jnp.asarray(x))
-    jax.effects_barrier()
     skipped = np.asarray(new_state.skipped_steps)
     assert (skipped == (max_retries < needed)).all(), skipped
-  assert len(reports) == 1, reports
-  assert list(reports[0].nonfinite) == ["['w']"], reports
+    report = ols.skip_report(new_state)
+    assert (report is None) == (max_retries == needed), report
+  assert report.nonfinite == {"['w']": 3}, report  # replica 1's 3 values
+  counts = np.asarray(new_state.last_skip.nonfinite)
+  assert (counts == counts[0]).all(), counts
+
+
+# --- every public function on sharded trees ----------------------------------
+
+
+def _mixed_specs(two_d):
+  """Leaves sharded along every axis, of every dtype, of awkward shapes."""
+  d = ("x", "y") if two_d else "d"
+  specs = {
+    "small_row": ((8, 16), P(d, None), jnp.float32),
+    "small_col": ((8, 16), P(None, d), jnp.float32),
+    "big_row": ((256, 136), P(d, None), jnp.float32),
+    "big_col": ((136, 256), P(None, d), jnp.float32),
+    "half_last": ((24, 64), P(None, d), jnp.float16),
+    "brain_last": ((24, 40), P(None, d), jnp.bfloat16),
+    "half_big": ((40, 1024), P(None, d), jnp.float16),
+    "three_d": ((8, 3, 8), P(None, None, d), jnp.float32),
+    "odd": ((7, 5), P(), jnp.float32),
+    "vector": ((8,), P(d), jnp.float16),
+    "replicated": ((100,), P(), jnp.float32),
+  }
+  if two_d:
+    specs["both"] = ((8, 16), P("x", "y"), jnp.float32)
+    specs["crossed"] = ((16, 8), P("y", "x"), jnp.bfloat16)
+  return specs
+
+
+def _mixed_tree(specs, mesh, value):
+  rng = np.random.default_rng(0)
+  tree = {}
+  for k, (shape, spec, dtype) in specs.items():
+    host = (rng.uniform(0.5, 1.5, shape) * value).astype(dtype)
+    tree[k] = jnp.asarray(host) if mesh is None else jax.device_put(host, spec)
+  return tree
+
+
+def _assert_kept(tree, specs, what):
+  """Each leaf of `tree` is sharded as `specs` says, in its type too."""
+  for k, x in tree.items():
+    shape, spec, _ = specs[k]
+    expected = NamedSharding(x.sharding.mesh, spec)
+    assert x.sharding.is_equivalent_to(expected, len(shape)), (what, k, x)
+    if AXIS_TYPE is None:  # Explicit: the sharding is part of the type
+      typed = jax.typeof(x).sharding.spec
+      assert tuple(typed) + (None,) * (len(shape) - len(typed)) == tuple(
+        spec
+      ) + (None,) * (len(shape) - len(spec)), (what, k, typed, spec)
+
+
+def _loss(p, c):
+  return sum(jnp.sum(x.astype(jnp.float32) ** 2) for x in p.values()) * c
+
+
+def _run_every_function(mesh, specs):
+  """The public functions, jitted, for 4 steps; what they returned."""
+  params = _mixed_tree(specs, mesh, 1.0)
+  grads_ok = _mixed_tree(specs, mesh, 2.0**8)
+  host = {k: np.array(v) for k, v in grads_ok.items()}
+  host["half_last"][5, 60] = np.inf  # on the last device along the axis
+  host["small_col"][3, 9] = np.nan
+  bad = {
+    k: (jnp.asarray(v) if mesh is None else jax.device_put(v, specs[k][1]))
+    for k, v in host.items()
+  }
+  batches = [grads_ok, bad, grads_ok, grads_ok]
+  tx = ols.LossScaleOptimizer(optax.adam(1e-2), ols.DynamicLossScale(2.0**8))
+  chained = optax.chain(
+    ols.unscale_gradients(ols.DynamicLossScale(2.0**8)), optax.sgd(0.1)
+  )
+  out = {"finite": [], "chain": [], "update": [], "apply": [], "minimize": []}
+  # Eager inits: under Auto axes a jitted one would leave the moments'
+  # shardings to XLA, which replicates zeros (as for any Optax optimizer).
+  state = tx.init(params)
+  c_state = chained.init(params)
+  # Compiled once, and called as compiled (their HLO is checked).
+  compiled = {
+    "finite": jax.jit(ols.all_finite).lower(grads_ok),
+    "update": jax.jit(tx.update).lower(grads_ok, state, params),
+    "apply": jax.jit(tx.apply_gradients, donate_argnums=(1, 2)).lower(
+      grads_ok, state, params
+    ),
+    "chain": jax.jit(chained.update).lower(grads_ok, c_state, params),
+    "minimize": jax.jit(
+      lambda p, s, c: tx.minimize(_loss, p, s, c, max_retries=2)
+    ).lower(params, state, jnp.float32(1)),
+    "scaled": jax.jit(
+      lambda s, p: ols.scaled_value_and_grad(_loss)(s, p, jnp.float32(1))
+    ).lower(state, params),
+  }
+  compiled = {k: v.compile() for k, v in compiled.items()}
+  finite, update, apply, chain, minimize, scaled = compiled.values()
+  scale_of = jax.jit(lambda s: ols.get_loss_scale(s)())
+  a_params = jax.tree.map(jnp.copy, params)  # donated
+  a_state = tx.init(params)
+  u_params, u_state = params, state
+  m_params, m_state = params, state
+  for grads in batches:
+    out["finite"].append(bool(finite(grads)))
+    updates, c_state = chain(grads, c_state, params)
+    out["chain"].append((float(scale_of(c_state)), updates))
+    updates, u_state = update(grads, u_state, u_params)
+    u_params = optax.apply_updates(u_params, updates)
+    out["update"].append((bool(u_state.should_apply), updates))
+    a_params, a_state = apply(grads, a_state, a_params)
+    out["apply"].append(float(scale_of(a_state)))
+  for c in [1.0, np.nan, 1.0]:
+    _, m_params, m_state = minimize(m_params, m_state, jnp.float32(c))
+    out["minimize"].append(float(scale_of(m_state)))
+  value, g = scaled(m_state, m_params)
+  out["scaled"] = (value, g)
+  out["params"] = (u_params, a_params, m_params)
+  out["states"] = (u_state, a_state, m_state, c_state)
+  return out, compiled
+
+
+def check_every_function():
+  # Every public function under jit, in `jax.set_mesh`, on trees of leaves
+  # sharded along any axis: no gradient data moves, shardings are kept,
+  # and the results are those of one device.
+  for two_d in (False, True):
+    specs = _mixed_specs(two_d)
+    ref, _ = _run_every_function(None, specs)
+    assert ref["finite"] == [True, False, True, True]
+    assert [a for a, _ in ref["update"]] == [True, False, True, True]
+    mesh = _mesh((2, 4), ("x", "y")) if two_d else _mesh((N,), ("d",))
+    with jax.set_mesh(mesh):
+      got, compiled = _run_every_function(mesh, specs)
+    for what, c in compiled.items():
+      _no_gradient_moves(c, (two_d, what))
+    assert got["finite"] == ref["finite"]
+    assert got["apply"] == ref["apply"] and got["minimize"] == ref["minimize"]
+    for (a, u), (b, v) in zip(got["update"], ref["update"], strict=True):
+      assert a == b
+      _assert_kept(u, specs, "updates")
+      for k in u:
+        np.testing.assert_allclose(  # float16 updates round apart
+          np.asarray(u[k], np.float32),
+          np.asarray(v[k], np.float32),
+          rtol=1e-2,
+          atol=1e-4,
+        )
+    for (s, u), (t, v) in zip(got["chain"], ref["chain"], strict=True):
+      assert s == t
+      _assert_kept(u, specs, "chain updates")
+      for k in u:
+        np.testing.assert_allclose(
+          np.asarray(u[k], np.float32), np.asarray(v[k], np.float32), 1e-2
+        )
+    for p, q in zip(got["params"], ref["params"], strict=True):
+      _assert_kept(p, specs, "params")
+      for k in p:
+        np.testing.assert_allclose(
+          np.asarray(p[k], np.float32),
+          np.asarray(q[k], np.float32),
+          rtol=1e-2,
+          atol=1e-3,
+        )
+    for state in got["states"][:3]:
+      _assert_kept(state.inner_state[0].mu, specs, "adam's mu")
+      _assert_kept(state.inner_state[0].nu, specs, "adam's nu")
+    _assert_kept(got["scaled"][1], specs, "scaled gradients")
+    # The skip record counts the global arrays, and reads on the host.
+    report = ols.skip_report(got["states"][0])
+    assert report == ols.skip_report(ref["states"][0])
+    assert report.nonfinite == {"['half_last']": 1, "['small_col']": 1}
+
+
+def check_orbax_sharded_state():
+  # A sharded optimizer state, with a skip recorded, saved and restored
+  # under the mesh: values, the record and every sharding come back.
+  import tempfile
+
+  import orbax.checkpoint as ocp
+
+  specs = _mixed_specs(two_d=False)
+  mesh = _mesh((N,), ("d",))
+  with jax.set_mesh(mesh):
+    params = _mixed_tree(specs, mesh, 1.0)
+    tx = ols.LossScaleOptimizer(optax.adam(1e-2), ols.DynamicLossScale())
+    grads = _mixed_tree(specs, mesh, np.inf)
+    _, state = jax.jit(tx.apply_gradients)(grads, tx.init(params), params)
+    assert ols.skip_report(state).skipped_steps == 1
+    target = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+      tx.init(params),
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+      with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(f"{tmp}/ckpt", state)
+      with ocp.StandardCheckpointer() as checkpointer:
+        restored = checkpointer.restore(f"{tmp}/ckpt", target)
+  assert ols.skip_report(restored) == ols.skip_report(state)
+  for a, b in zip(
+    jax.tree.leaves(restored), jax.tree.leaves(state), strict=True
+  ):
+    assert a.sharding.is_equivalent_to(b.sharding, a.ndim), (a.sharding, b)
+    if AXIS_TYPE is None:
+      assert jax.typeof(a).sharding.spec == jax.typeof(b).sharding.spec
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  _assert_kept(restored.inner_state[0].mu, specs, "restored mu")
 
 
 if __name__ == "__main__":
-  for name in sys.argv[1:]:
+  for arg in sys.argv[1:]:
+    name, _, axes = arg.partition(":")
+    AXIS_TYPE = {"": None, "explicit": None, "auto": AUTO}[axes]
     globals()[f"check_{name}"]()
-    print("ok", name)
+    print("ok", arg)

@@ -1,7 +1,8 @@
 """Replicas agree on every skip: pmap, shard_map and sharded jit on 8 CPUs.
 
 Each check runs in a subprocess, because the number of host devices is fixed
-when JAX starts.
+when JAX starts. The mesh checks run under `jax.make_mesh`'s default axis
+types (Explicit) and under `AxisType.Auto`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def _run(*checks: str, timeout: int = 240) -> None:
+def _run(*checks: str, timeout: int = 600) -> None:
   env = dict(
     os.environ,
     XLA_FLAGS="--xla_force_host_platform_device_count=8",
@@ -36,19 +37,28 @@ def _run(*checks: str, timeout: int = 240) -> None:
     assert f"ok {check}" in result.stdout
 
 
-@pytest.mark.parametrize(
-  "check",
-  [
-    "pmap",
-    "shard_map",
-    "sharded_jit",
-    "sharded_leaves_are_checked_in_place",
-    "nan_loss_on_one_replica",
-    "minimize_retries_agree",
-  ],
-)
-def test_replicas_agree(check):
-  _run(check)
+def test_replicas_agree_under_pmap():
+  _run("pmap", "nan_loss_on_one_replica", "minimize_retries_agree")
+
+
+@pytest.mark.parametrize("axes", ["explicit", "auto"])
+def test_sharded_meshes(axes):
+  _run(
+    *(
+      f"{check}:{axes}"
+      for check in [
+        "shard_map",
+        "sharded_jit",
+        "sharded_leaves_are_checked_in_place",
+        "orbax_sharded_state",
+      ]
+    )
+  )
+
+
+@pytest.mark.parametrize("axes", ["explicit", "auto"])
+def test_every_public_function_on_sharded_trees(axes):
+  _run(f"every_function:{axes}")
 
 
 def test_two_processes_agree_on_a_skip(tmp_path):
