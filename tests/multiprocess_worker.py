@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -59,4 +60,42 @@ result = np.concatenate(
   ]
 )
 np.save(out, result)
+
+# An Explicit mesh (jax.make_mesh's default) over both processes, with
+# FSDP-sharded parameters: a NaN in this process's shard only makes both
+# processes skip with the same scale, and the SkipMonitor raises on both.
+mesh = jax.make_mesh((4,), ("data",))
+with jax.set_mesh(mesh):
+  fsdp = NamedSharding(mesh, P("data", None))
+  tx = ols.LossScaleOptimizer(optax.adam(0.1), ols.DynamicLossScale(2.0**10))
+  local = np.ones((4, 3), np.float32)  # this process's rows of an (8, 3) leaf
+  params = {"w": jax.make_array_from_process_local_data(fsdp, local, (8, 3))}
+  state = tx.init(params)
+  assert jax.typeof(state.inner_state[0].mu["w"]).sharding.spec == P(
+    "data", None
+  )
+  step = jax.jit(tx.apply_gradients, donate_argnums=(1, 2))
+  monitor = ols.SkipMonitor(max_consecutive_skips=2, log=None)
+  results = {"raised": False}
+  for t in range(3):
+    grads_local = np.full((4, 3), 0.5, np.float32)
+    if t < 2 and rank == 1:
+      grads_local[3, 1] = np.nan
+    grads = {"w": jax.make_array_from_process_local_data(fsdp, grads_local)}
+    params, state = step(grads, state, params)
+    try:
+      report = monitor(state)
+    except ols.ConsecutiveSkipsError as error:
+      results["raised"] = "2 consecutive steps skipped" in str(error)
+      report = ols.skip_report(state)
+      break
+  assert jax.typeof(params["w"]).sharding.spec == P("data", None)
+  results["scale"] = float(ols.get_loss_scale(state)().addressable_data(0))
+  results["skipped"] = int(state.skipped_steps.addressable_data(0))
+  results["nonfinite"] = report.nonfinite
+  results["unchanged"] = bool(
+    np.all(np.asarray(params["w"].addressable_data(0)) == 1.0)
+  )
+with open(out + ".explicit.json", "w") as f:
+  json.dump(results, f)
 jax.distributed.shutdown()

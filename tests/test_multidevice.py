@@ -61,7 +61,7 @@ def test_every_public_function_on_sharded_trees(axes):
   _run(f"every_function:{axes}")
 
 
-def test_two_processes_agree_on_a_skip(tmp_path):
+def test_two_processes_agree_on_a_skip_and_stop(tmp_path):
   import socket
 
   import numpy as np
@@ -98,3 +98,19 @@ def test_two_processes_agree_on_a_skip(tmp_path):
   np.testing.assert_array_equal(a, b)  # bit-equal params, scale, counters
   np.testing.assert_allclose(a[:3], -0.2, rtol=1e-6)
   assert a[3] == 2.0**9 and a[4] == 1
+  # The Explicit mesh over both processes, FSDP-sharded: both skipped twice
+  # with the same scale, and both monitors raised.
+  import json
+
+  explicit = [
+    json.loads((tmp_path / f"out{rank}.npy.explicit.json").read_text())
+    for rank in range(2)
+  ]
+  assert explicit[0] == explicit[1], explicit
+  assert explicit[0] == {
+    "raised": True,
+    "scale": 2.0**8,
+    "skipped": 2,
+    "nonfinite": {"['w']": 1},
+    "unchanged": True,
+  }
