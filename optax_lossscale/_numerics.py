@@ -30,37 +30,44 @@ def array_leaves(tree: Any) -> list[jax.Array]:
   return [x for x in jax.tree.leaves(tree) if not is_float0(x)]
 
 
-def _split_ways(x: jax.Array) -> tuple[int, int]:
-  """Into how many pieces `x`, and its last axis, may be split across devices.
+def _split_ways(x: jax.Array) -> tuple[int, int, bool]:
+  """How `x` may be split across devices, read from its type.
 
-  Read from the type: Explicit mesh axes name the dimensions they split; an
-  Auto axis may split any dimension, so its size counts everywhere; Manual
-  axes (inside `shard_map`) hold whole local blocks. Outside any mesh, every
-  array is whole where it is.
+  Returns into how many pieces `x` and its last axis may be split, and
+  whether its type names a mesh axis. Explicit mesh axes name the dimensions
+  they split; an Auto axis may split any dimension, so its size counts
+  everywhere; Manual axes (inside `shard_map`) hold whole local blocks.
+  Outside any mesh, every array is whole where it is.
   """
   sharding = jax.typeof(x).sharding
   mesh = getattr(sharding, "mesh", None)
   if mesh is None or mesh.empty:
-    return 1, 1
+    return 1, 1, False
   types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
   sizes = dict(mesh.shape)
   auto = math.prod(sizes[n] for n, t in types.items() if t == AxisType.Auto)
-
-  def explicit(entry: Any) -> int:
-    names = entry if isinstance(entry, tuple) else (entry,)
-    return math.prod(
-      sizes[n] for n in names if n is not None and types[n] == AxisType.Explicit
-    )
-
   spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
-  whole = auto * math.prod(explicit(e) for e in spec)
-  last = auto * explicit(spec[-1]) if x.ndim else 1
-  return whole, last
+  named = [
+    [n for n in (e if isinstance(e, tuple) else (e,)) if n is not None]
+    for e in spec
+  ]
+
+  def explicit(names: list[Any]) -> int:
+    return math.prod(sizes[n] for n in names if types[n] == AxisType.Explicit)
+
+  whole = auto * math.prod(explicit(names) for names in named)
+  last = auto * explicit(named[-1]) if x.ndim else 1
+  typed = any(types[n] == AxisType.Explicit for names in named for n in names)
+  return whole, last, typed
 
 
 def _is_whole(x: jax.Array) -> bool:
-  """Whether each device holding `x` holds all of it (reshapes move nothing)."""
-  return _split_ways(x)[0] == 1
+  """Whether `x` is whole on each device and unsharded in its type.
+
+  Such leaves can be reshaped and concatenated freely: nothing moves.
+  """
+  whole, _, typed = _split_ways(x)
+  return whole == 1 and not typed
 
 
 def _nonfinite_probe(x: jax.Array) -> jax.Array:
@@ -99,10 +106,10 @@ def _half_sum(zero: jax.Array) -> jax.Array:
   last axis is split, and only when each of its pieces on a device splits into
   whole rows, so a sharded leaf keeps its sharding and nothing moves.
   """
-  whole, last = _split_ways(zero)
+  _, last, _ = _split_ways(zero)
   if zero.ndim and zero.shape[-1] % (_ROW * last) == 0:
     return _sum_rows(zero.reshape(*zero.shape[:-1], -1, _ROW))
-  if zero.ndim == 1 and whole == 1:
+  if zero.ndim == 1 and _is_whole(zero):
     # A vector (or the concatenated small leaves): whole rows, then the tail.
     body = zero.size // _ROW * _ROW
     total = jnp.sum(zero[body:].astype(jnp.float32))

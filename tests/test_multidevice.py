@@ -61,6 +61,29 @@ def test_every_public_function_on_sharded_trees(axes):
   _run(f"every_function:{axes}")
 
 
+@pytest.mark.parametrize("devices", [1, 8])
+def test_readme_sharded_recipe_runs_as_written(tmp_path, devices):
+  readme = (ROOT / "README.md").read_text()
+  recipe = readme.split("<!-- sharded-recipe -->\n```python\n")[1]
+  script = tmp_path / "recipe.py"
+  script.write_text(recipe.split("```")[0])
+  env = dict(
+    os.environ,
+    XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    PYTHONPATH=str(ROOT),
+    JAX_PLATFORMS="cpu",
+  )
+  result = subprocess.run(
+    [sys.executable, str(script)],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert result.stdout.startswith("loss "), result.stdout
+
+
 def test_two_processes_agree_on_a_skip_and_stop(tmp_path):
   import socket
 

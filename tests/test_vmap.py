@@ -49,7 +49,9 @@ def _params():
 
 
 @pytest.mark.parametrize("method", ["update", "apply_gradients"])
-def test_vmap_members_equal_running_each_member_alone(method, standard_promotion):
+def test_vmap_members_equal_running_each_member_alone(
+  method, standard_promotion
+):
   tx = _tx()
   params = _params()
   state = jax.vmap(tx.init)(params)
@@ -113,9 +115,7 @@ def test_vmap_step_has_no_callback_and_records_only_skipping_members(
   tx = _tx()
   params = _params()
   state = jax.vmap(tx.init)(params)
-  jaxpr = jax.make_jaxpr(jax.vmap(tx.apply_gradients))(
-    _grads(0), state, params
-  )
+  jaxpr = jax.make_jaxpr(jax.vmap(tx.apply_gradients))(_grads(0), state, params)
   assert "callback" not in str(jaxpr)
   grads = jax.tree.map(jnp.ones_like, params)
   grads["w"] = grads["w"].at[2, 0, 0].set(jnp.inf)
