@@ -14,7 +14,11 @@ from jax import lax
 
 from optax_lossscale import _numerics, _retry, _validation
 from optax_lossscale._loss_scale import LossScale
-from optax_lossscale._states import LossScaleOptimizerState, SkipRecord
+from optax_lossscale._states import (
+  LossScaleOptimizerState,
+  SkipRecord,
+  find_states,
+)
 from optax_lossscale._value_and_grad import scaled_value_and_grad
 
 __all__ = ["LossScaleOptimizer"]
@@ -136,6 +140,19 @@ def _maybe_count(counter: jax.Array | None, flag: jax.Array) -> Any:
   return None if counter is None else _count(counter, flag)
 
 
+def _window_open(inner_state: Any) -> jax.Array | None:
+  """Whether gradient accumulation in `inner` has an open window, or None.
+
+  Read from `inner`'s state, wherever an `optax.MultiStepsState` is nested
+  (`optax.MultiSteps` and its `gradient_transformation()` alike): a window
+  that completes resets its `mini_step` to 0.
+  """
+  found = find_states(inner_state, (optax.MultiStepsState,))
+  if not found:
+    return None
+  return jnp.any(jnp.stack([jnp.asarray(s.mini_step) != 0 for s in found]))
+
+
 def _trace_once(fn: _Branch, *args: Any) -> tuple[_Branch, Any]:
   """`fn`, traced once, as a function that replays it, and its output shapes.
 
@@ -178,8 +195,13 @@ class LossScaleOptimizer:
   Gradient accumulation: pass `optax.MultiSteps(...)` (or its
   `gradient_transformation()`) as `inner`. Each micro-batch is unscaled and
   checked before it is accumulated, so a non-finite micro-batch is dropped
-  alone and never reaches the accumulator. The loss scale is updated on every
-  call of `update`, that is per micro-batch, as for any other `inner`.
+  alone and never reaches the accumulator, and backs the scale off at once
+  (or spends hysteresis budget); the open window goes on with the next
+  finite micro-batch. The scale moves once per optimizer step, as in
+  PyTorch's recipe: a finite micro-batch counts as a good step, grows the
+  scale and refills the hysteresis budget only when it completes a window
+  (`increment_period` counts windows). The window is read from `inner`'s
+  state (an `optax.MultiStepsState`, wherever it is nested).
 
   Args:
     inner: the optimizer to wrap, any Optax transformation (or an
@@ -563,6 +585,16 @@ class LossScaleOptimizer:
     out, inner_state, record = lax.cond(
       applies, apply_, skip_, params, state.inner_state, state.last_skip
     )
+    window_open = _window_open(inner_state)
+    if window_open is not None:
+      # Gradient accumulation: a finite micro-batch that leaves its window
+      # open is not an optimizer step, so the loss scale (good-step counter,
+      # growth, hysteresis budget) holds until the window completes, as in
+      # PyTorch's recipe. A non-finite one backs off at once.
+      hold = applies & window_open
+      decision = decision._replace(
+        loss_scale=optax.tree.where(hold, state.loss_scale, decision.loss_scale)
+      )
     new_state = self._next_state(state, decision, inner_state, retries)
     new_state = new_state._replace(last_skip=record)
     if held is not None:

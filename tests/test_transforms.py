@@ -204,31 +204,11 @@ def test_multisteps_inside_drops_only_the_bad_micro_batch():
     scales.append(float(ols.get_loss_scale(state)()))
   # Windows: (1, 3) -> mean 2, then (1, 1) -> mean 1.
   np.testing.assert_array_equal(params["w"], [-2.0, -2.0])
+  # The NaN backs off at once; finite micro-batches hold the scale until a
+  # window completes (increment_period=100 windows: no growth here).
   assert scales == [8, 4, 4, 4, 4]
   assert int(state.skipped_steps) == 1
   assert int(state.inner_state.gradient_step) == 2
-
-
-@pytest.mark.parametrize("form", ["MultiSteps", "gradient_transformation"])
-def test_multisteps_one_rule_the_scale_updates_per_micro_batch(form):
-  # One rule for every inner: the loss scale is updated on every `update`
-  # call, so `MultiSteps` and its `gradient_transformation()` agree.
-  k = 3
-  inner = optax.MultiSteps(optax.sgd(0.1), every_k_schedule=k)
-  if form == "gradient_transformation":
-    inner = inner.gradient_transformation()
-  tx = ols.LossScaleOptimizer(inner, ols.DynamicLossScale(4.0, 1))
-  params = {"w": jnp.ones(2)}
-  state = tx.init(params)
-  update = jax.jit(tx.update)
-  seen = []  # the scale each micro-batch was scaled with
-  for _ in range(2 * k):
-    scale = ols.get_loss_scale(state)()
-    seen.append(float(scale))
-    updates, state = update({"w": jnp.full((2,), 0.5) * scale}, state, params)
-    params = optax.apply_updates(params, updates)
-  assert seen == [4, 8, 16, 32, 64, 128]
-  np.testing.assert_allclose(params["w"], 1 - 2 * 0.05, rtol=1e-6)
 
 
 def test_multisteps_accepts_the_gradient_transformation_too():
