@@ -1,6 +1,8 @@
 """Cost of loss scaling in a donated train step, against plain Adam and peers.
 
 Usage: python benchmarks/step_overhead.py [--quick] [--max-peer-leaves N]
+       python benchmarks/step_overhead.py --failure-modes [--quick]
+       python benchmarks/step_overhead.py --sharded [--quick]
 
 Everything is measured in one process on the same pytrees, in train-step
 shape: jitted, with parameters and optimizer state donated and fed back. The
@@ -13,10 +15,16 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import platform
+import re
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
+
+if "--sharded" in sys.argv:  # 8 host devices, before JAX starts
+  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 
 import jax
 import jax.numpy as jnp
@@ -67,17 +75,23 @@ def _fused(lr: float = 1e-3, **options):
   """`(init, step)` of `LossScaleOptimizer.apply_gradients`, with `options`.
 
   `options`: `value` (passed as `value=`), `hysteresis`, `idle_callback` (a
-  `jax.debug.callback` of the user's in a `cond` that never calls it) and
-  `LossScaleOptimizer`'s own keyword arguments.
+  `jax.debug.callback` of the user's in a `cond` that never calls it),
+  `record` (False: a state without a skip record, as before records
+  existed) and `LossScaleOptimizer`'s own keyword arguments.
   """
   value = options.pop("value", None)
   hysteresis = options.pop("hysteresis", 1)
   idle_callback = options.pop("idle_callback", False)
+  record = options.pop("record", True)
   tx = ols.LossScaleOptimizer(
     optax.adam(lr),
     ols.DynamicLossScale(SCALE, hysteresis=hysteresis),
     **options,
   )
+
+  def init(params):
+    state = tx.init(params)
+    return state if record else state._replace(last_skip=None)
 
   def step(params, state, grads):
     extra = {} if value is None else {"value": jnp.float32(value)}
@@ -90,18 +104,16 @@ def _fused(lr: float = 1e-3, **options):
       )
     return params, state
 
-  return tx.init, step
+  return init, step
 
 
-# The failure-mode options, each against the defaults (`--failure-modes`).
+# The failure-mode options (`--failure-modes`), each against the first: the
+# step as it was before skip records (a state without one computes none).
 FAILURE_MODES: dict[str, Callable[..., Any]] = {
-  "defaults": functools.partial(_fused),
+  "no skip record (before)": functools.partial(_fused, record=False),
+  "defaults (skip record)": functools.partial(_fused),
   "hysteresis=2": functools.partial(_fused, hysteresis=2),
   "value= passed": functools.partial(_fused, value=1.0),
-  "on_skip=log_skip": functools.partial(_fused, on_skip=ols.log_skip),
-  "max_consecutive_skips=100": functools.partial(
-    _fused, max_consecutive_skips=100
-  ),
   # Not an option of ours: any host callback in a step, for comparison.
   "defaults + a never-called jax.debug.callback": functools.partial(
     _fused, idle_callback=True
@@ -314,7 +326,17 @@ def main() -> None:
     help="only the failure-mode options against the defaults, at 400 leaves"
     " and on 16M parameters (writes FAILURE_MODES.md)",
   )
+  parser.add_argument(
+    "--sharded",
+    action="store_true",
+    help="only the fused step and chain(unscale_gradients, adam) against"
+    " plain adam, every leaf FSDP-sharded on 8 host devices (writes"
+    " SHARDED.md)",
+  )
   args = parser.parse_args()
+  if args.sharded:
+    sharded(args.out, 10 if args.quick else 30, 1 if args.quick else 5)
+    return
   if args.failure_modes:
     failure_modes(args.out, 10 if args.quick else 30, 1 if args.quick else 5)
     return
@@ -544,15 +566,96 @@ def failure_modes(out: str, repeats: int, compiles: int) -> None:
       lines.append(line)
   with open(f"{out}/FAILURE_MODES.md", "w") as f:
     f.write(
-      "# Failure-mode options against the defaults\n\n"
+      "# Failure-mode options against the step before skip records\n\n"
       "`python benchmarks/step_overhead.py --failure-modes`; jax"
       f" {jax.__version__}, {jax.devices()[0].platform}. Ratios to the"
-      " default `LossScaleOptimizer.apply_gradients` step, in one process."
+      " `LossScaleOptimizer.apply_gradients` step on a state without a skip"
+      " record (the step as it was before records), in one process."
       " Step per call: the jitted step called from Python. Step in a scan:"
       " one step of a compiled `lax.scan` loop of many. Compile: the median"
       f" of {compiles} first compiles.\n\n"
       "| workload | option | step per call | step in a scan | compile |\n"
       "|---|---|---|---|---|\n" + "\n".join(lines) + "\n"
+    )
+
+
+SHARDED = [
+  "plain adam",
+  "loss_scale_optimizer + apply_gradients",
+  "chain(unscale_gradients, adam)",
+]
+
+
+def _compile_seconds(name: str, params: Any, grads: Any) -> tuple[float, str]:
+  """A first compile of `name` (fresh closures, so no cache hit) and its HLO."""
+  init, step = CONFIGS[name]()
+  p = jax.tree.map(jnp.copy, params)
+  t0 = time.perf_counter()
+  compiled = jax.jit(step, donate_argnums=(0, 1)).lower(p, init(p), grads)
+  compiled = compiled.compile()
+  return time.perf_counter() - t0, compiled.as_text()
+
+
+def sharded(out: str, repeats: int, compiles: int) -> None:
+  """Step and compile ratios to plain adam with FSDP-sharded leaves.
+
+  Every leaf is sharded `P("d", None)` over the 8 devices of a
+  `jax.make_mesh` mesh (Explicit axes, the default), for both plain adam
+  and the loss-scaled steps; the gradients too.
+  """
+  from jax.sharding import PartitionSpec as P
+
+  mesh = jax.make_mesh((jax.device_count(),), ("d",))
+  lines = []
+  with jax.set_mesh(mesh):
+    for workload, n_leaves, shape in [
+      ("16M / 8 leaves", 8, (1000, 2000)),
+      ("400 leaves x 1000", 400, (8, 125)),
+    ]:
+      params = {
+        k: jax.device_put(v.reshape(shape), P("d", None))
+        for k, v in make_tree(n_leaves, shape[0] * shape[1]).items()
+      }
+      runs = [prepare(name, params, jnp.float32) for name in SHARDED]
+      grads = runs[0]["grads"]
+      for run in runs:
+        run["compiles"] = [run["compile"]]
+        for _ in range(1, compiles):
+          run["compiles"].append(
+            _compile_seconds(run["name"], params, grads)[0]
+          )
+        hlo = _compile_seconds(run["name"], params, grads)[1]
+        run["moves"] = sorted(
+          set(re.findall(r"(all-gather|all-to-all|collective-permute)", hlo))
+        )
+      for _ in range(ROUNDS):
+        for run in runs:
+          time_steps(run, repeats // ROUNDS)
+      base = runs[0]
+      median = lambda run, key: float(np.median(run[key]))  # noqa: E731
+      for run in runs:
+        line = (
+          f"| {workload} | {run['name']} | "
+          f"{median(run, 'times') / median(base, 'times'):.2f}x | "
+          f"{median(run, 'compiles') / median(base, 'compiles'):.2f}x | "
+          f"{', '.join(run['moves']) or 'none'} |"
+        )
+        print(line, flush=True)
+        lines.append(line)
+  with open(f"{out}/SHARDED.md", "w") as f:
+    f.write(
+      "# FSDP-sharded steps on 8 host devices\n\n"
+      "`python benchmarks/step_overhead.py --sharded`; jax"
+      f" {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform}"
+      " devices of one machine (they share its cores). Every parameter,"
+      ' gradient and moment sharded `P("d", None)` over a `jax.make_mesh`'
+      " mesh (Explicit axes); ratios to plain adam sharded the same way, in"
+      " one process, configurations timed in turns. Compile: the median of"
+      f" {compiles} first compiles.\n\n"
+      "| workload | step | step vs adam | compile vs adam |"
+      " gradient data moved (HLO) |\n|---|---|---|---|---|\n"
+      + "\n".join(lines)
+      + "\n"
     )
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import optax
 from jax import lax
 from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 AxisName = Hashable | Sequence[Hashable] | None
 
@@ -196,8 +197,55 @@ def _total(probes: list[jax.Array]) -> jax.Array:
 
 def verdict(leaves: list[jax.Array], axis_name: AxisName) -> jax.Array:
   """True iff every element of every leaf is finite; one read of each leaf."""
-  ok = jnp.isfinite(_total([_nonfinite_probe(x) for x in _group(leaves)]))
-  return agree(ok, axis_name)
+  return agree(_sharded_verdict(leaves), axis_name)
+
+
+def _local_verdict(*leaves: jax.Array) -> jax.Array:
+  return jnp.isfinite(
+    _total([_nonfinite_probe(x) for x in _group(list(leaves))])
+  )
+
+
+def _explicit_axes(leaves: list[jax.Array]) -> tuple[Any, frozenset[Any]]:
+  """The mesh of the leaves' types and the Explicit axes that split them."""
+  mesh, axes = None, set()
+  for x in leaves:
+    sharding = jax.typeof(x).sharding
+    leaf_mesh = getattr(sharding, "mesh", None)
+    if leaf_mesh is None or leaf_mesh.empty:
+      continue
+    types = dict(zip(leaf_mesh.axis_names, leaf_mesh.axis_types, strict=True))
+    for entry in sharding.spec:
+      for name in entry if isinstance(entry, tuple) else (entry,):
+        if name is not None and types[name] == AxisType.Explicit:
+          mesh = leaf_mesh
+          axes.add(name)
+  return mesh, frozenset(axes)
+
+
+def _sharded_verdict(leaves: list[jax.Array]) -> jax.Array:
+  """The verdict of leaves that Explicit mesh axes may split.
+
+  Each device checks its own blocks, which are whole there, so that small
+  leaves are concatenated and checked by a few kernels rather than one
+  each, and one scalar collective combines the devices' verdicts. Leaves
+  that no Explicit axis splits are checked as they are (XLA reduces a leaf
+  that Auto axes split where it lives, and all-reduces the scalar).
+  """
+  mesh, axes = _explicit_axes(leaves)
+  if not axes:
+    return _local_verdict(*leaves)
+
+  def local(*blocks: jax.Array) -> jax.Array:
+    ok = _local_verdict(*blocks).astype(jnp.int32)
+    agreed: jax.Array = lax.pmin(ok, tuple(sorted(axes, key=str)))
+    return agreed.astype(jnp.bool_)
+
+  specs = tuple(jax.typeof(x).sharding.spec for x in leaves)
+  checked: jax.Array = jax.shard_map(
+    local, mesh=mesh, in_specs=specs, out_specs=P(), axis_names=set(axes)
+  )(*leaves)
+  return checked
 
 
 def agree(flags: jax.Array, axis_name: AxisName) -> jax.Array:

@@ -139,7 +139,8 @@ class LossScaleOptimizerState(NamedTuple):
 
   A 0.1.0 checkpoint (five fields) restores into a dict of the first five
   fields, `{k: v for k, v in tx.init(params)._asdict().items() if k not in
-  ("nonfinite_loss_steps", "retries")}`, and then into the full state with
+  ("nonfinite_loss_steps", "retries", "last_skip")}`, and then into the full
+  state with
   `tx.init(params)._replace(**restored)`. A state whose three new fields are
   None steps too, and keeps them None.
 

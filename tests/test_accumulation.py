@@ -107,7 +107,7 @@ def test_scale_moves_once_per_window_in_both_forms(
   chex.assert_trees_all_equal(a[1], b[1])  # params
   chex.assert_trees_all_equal(a[2].loss_scale, b[2].loss_scale)
   chex.assert_trees_all_equal(a[2].inner_state, b[2].inner_state)
-  steps = list(zip(expected, expected[1:]))
+  steps = list(zip(expected, expected[1:], strict=False))
   assert any(b > a for a, b in steps) and any(b < a for a, b in steps)
 
 
