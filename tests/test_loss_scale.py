@@ -418,3 +418,106 @@ def test_restore_from_saved_arrays():
   )
   assert int(restored.num_good_steps) == 3
   assert math.isclose(float(restored()), 64.0)
+
+
+# --- state passed to the constructor ----------------------------------------
+
+
+@pytest.mark.parametrize(
+  "kwargs, message",
+  [
+    (dict(current_loss_scale=float("nan")), "current_loss_scale.*got nan"),
+    (dict(current_loss_scale=np.float32(np.inf)), "current_loss_scale.*inf"),
+    (dict(current_loss_scale=jnp.float32(0.5)), "min_loss_scale=1.0.*0.5"),
+    (
+      dict(initial_loss_scale=4.0, max_loss_scale=64.0, current_loss_scale=128),
+      r"max_loss_scale=64.0\], got 128\.",
+    ),
+    (dict(current_loss_scale=1e39), "float32's maximum.*1e\\+39"),
+    (dict(num_good_steps=-3), r"num_good_steps=...\)` must be .*got -3\."),
+    (
+      dict(num_good_steps=jnp.int32(2000)),
+      r"in \[0, increment_period=2000\), got 2000",
+    ),
+    (
+      dict(hysteresis=2, hysteresis_budget=np.int32(3)),
+      r"hysteresis_budget.*\[0, hysteresis=2\], got 3",
+    ),
+    (dict(hysteresis=2, hysteresis_budget=-1), "hysteresis_budget.*got -1"),
+    (dict(hysteresis=2, hysteresis_budget=None), "hysteresis_budget.*None"),
+    (dict(hysteresis_budget=jnp.int32(1)), "None when hysteresis=1"),
+  ],
+)
+def test_constructor_refuses_concrete_state_out_of_range(kwargs, message):
+  with pytest.raises(ValueError, match=r"`DynamicLossScale\(.*" + message):
+    ols.DynamicLossScale(**kwargs)
+
+
+@pytest.mark.parametrize(
+  "kwargs, name",
+  [
+    (dict(num_good_steps=2.5), "num_good_steps"),
+    (dict(num_good_steps=np.float32(2)), "num_good_steps"),
+    (dict(current_loss_scale=True), "current_loss_scale"),
+    (dict(hysteresis=2, hysteresis_budget=jnp.float32(1)), "hysteresis_budget"),
+  ],
+)
+def test_constructor_refuses_state_of_the_wrong_dtype(kwargs, name):
+  with pytest.raises(TypeError, match=f"`DynamicLossScale\\({name}=...\\)`"):
+    ols.DynamicLossScale(**kwargs)
+
+
+def test_constructor_checks_a_stacked_state_element_by_element():
+  scales = jnp.array([4.0, 8.0, jnp.nan, 0.5])
+  with pytest.raises(ValueError, match=r"got nan at index \(2,\)"):
+    ols.DynamicLossScale(4.0, current_loss_scale=scales)
+  steps = np.array([[0, 1], [4, 5]], np.int32)
+  with pytest.raises(ValueError, match=r"got 5 at index \(1, 1\)"):
+    ols.DynamicLossScale(4.0, 5, num_good_steps=steps)
+  stacked = ols.DynamicLossScale(
+    4.0, 5, current_loss_scale=scales[:2], num_good_steps=steps[0]
+  )
+  assert stacked.num_good_steps.shape == (2,)
+
+
+@pytest.mark.parametrize(
+  "state",
+  [
+    dict(current_loss_scale=1, num_good_steps=0),
+    dict(current_loss_scale=np.float32(8), num_good_steps=np.int32(4)),
+    dict(current_loss_scale=jnp.float32(1), num_good_steps=jnp.int32(4)),
+    dict(current_loss_scale=np.float64(8.0), num_good_steps=np.int64(0)),
+  ],
+)
+def test_constructor_accepts_the_bounds(state):
+  ls = ols.DynamicLossScale(4.0, 5, max_loss_scale=8.0, **state)
+  assert ls.current_loss_scale.dtype in (np.float32, np.float64)
+  for budget in (0, 3, np.int32(3), jnp.int32(0)):
+    ols.DynamicLossScale(4.0, hysteresis=3, hysteresis_budget=budget)
+  # min_loss_scale is compared as float32, as the state holds it.
+  floor = ols.DynamicLossScale(1.0, min_loss_scale=0.1, current_loss_scale=0.1)
+  floored, _ = floor.update({"g": jnp.array(jnp.nan)})
+  assert float(floored()) == float(np.float32(0.1))
+
+
+def test_unflattening_neither_checks_nor_reads_the_state():
+  ls = ols.DynamicLossScale(4.0, 5, hysteresis=2)
+  # Out of range, not a number, abstract: unflattening takes any leaves.
+  for leaf in [-1, np.float32(np.nan), None, jax.ShapeDtypeStruct((), int)]:
+    out = jax.tree.map(lambda x, leaf=leaf: leaf, ls)
+    assert isinstance(out, ols.DynamicLossScale) and out.hysteresis == 2
+  leaves, treedef = jax.tree.flatten(ls)
+  with jax.transfer_guard("disallow"):
+    jax.tree.unflatten(treedef, [-leaf for leaf in leaves])
+  # A state built from tracers under `jit` is not checked either.
+  build = jax.jit(lambda s: ols.DynamicLossScale(current_loss_scale=s)())
+  assert float(build(jnp.float32(-1.0))) == -1.0
+
+
+def test_steps_build_their_state_without_reading_it():
+  ls = ols.DynamicLossScale(4.0, 1, hysteresis=2)
+  with jax.transfer_guard_device_to_host("disallow"):
+    for grad in [1.0, jnp.nan, jnp.nan]:
+      ls, _ = ls.update({"g": jnp.array(grad)})
+    ls = ls.lowered()
+  assert float(ls()) == 2.0
