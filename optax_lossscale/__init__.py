@@ -2,10 +2,11 @@
 
 TensorFlow's `FixedLossScale` and `DynamicLossScale` as immutable JAX pytrees,
 `LossScaleOptimizer` (hysteresis, loss-aware skips, skip reports, a stop rule
-and retries of overflowed batches) and `unscale_gradients` to put them in an
-Optax optimizer.
+and retries of overflowed batches), `unscale_gradients` to put them in an
+Optax optimizer, and `check_state` for restored checkpoints.
 """
 
+from optax_lossscale._check import check_state as check_state
 from optax_lossscale._loss_scale import DynamicLossScale as DynamicLossScale
 from optax_lossscale._loss_scale import FixedLossScale as FixedLossScale
 from optax_lossscale._loss_scale import LossScale as LossScale
@@ -52,6 +53,7 @@ __all__ = [
   "__version__",
   "all_finite",
   "apply_gradients",
+  "check_state",
   "deserialize",
   "format_skip",
   "get",
