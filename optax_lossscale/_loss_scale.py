@@ -80,9 +80,15 @@ class LossScale(abc.ABC):
   """The base class of loss scales: a scale factor and how it evolves.
 
   A loss scale is an immutable pytree: `update` returns a new loss scale rather
-  than changing this one. Subclasses are frozen dataclasses registered with
-  `jax.tree_util.register_dataclass`, and implement `__call__`, `adjust` and
-  `get_config`. They may override `grads_finite` (to check faster) and
+  than changing this one. The built-in ones are frozen dataclasses:
+  `FixedLossScale` and `NoOpLossScale` are registered with
+  `jax.tree_util.register_dataclass` and have no leaves; `DynamicLossScale` is
+  registered with keys (`jax.tree_util.register_pytree_with_keys`) and has two
+  leaves, `current_loss_scale` and `num_good_steps`, and a third,
+  `hysteresis_budget`, when `hysteresis > 1`. A subclass must be a pytree whose
+  hyperparameters are static (a frozen dataclass registered with
+  `register_dataclass` is the simplest), and implement `__call__`, `adjust`
+  and `get_config`. It may override `grads_finite` (to check faster) and
   `lowered` (to support retries); the base implementations are correct for
   any scale.
 
@@ -174,7 +180,15 @@ class LossScale(abc.ABC):
 
     Each leaf keeps its dtype; the product is computed in at least float32 and
     rounded once. A float16 loss whose scaled value exceeds the float16 range
-    becomes inf, as in TensorFlow, and the step is then skipped.
+    becomes inf, as in TensorFlow. That alone does not skip the step: the
+    scaling is linear, so its VJP multiplies the incoming cotangent by the
+    scale, whatever the scaled loss is, and the backward pass sees the scale,
+    never the scaled loss. The gradients are then as finite as they would be
+    for a finite scaled loss, and the step is applied unless they overflow
+    (as they do when the scale itself exceeds float16's largest value, 65504:
+    the cotangent becomes inf where it enters float16). To skip on a
+    non-finite loss, pass the unscaled loss as `value=` (the value
+    `scaled_value_and_grad` returns).
 
     Args:
       tree: a pytree of floating-point arrays (typically the loss).
@@ -349,10 +363,13 @@ class FixedLossScale(LossScale):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, eq=False)
 class NoOpLossScale(LossScale):
-  """A loss scale of 1 that never skips: one code path for every precision.
+  """A loss scale of 1: one code path for every precision.
 
   Use it for bfloat16 and float32 training, which need no loss scaling, so
-  that the same train step serves float16 with a real loss scale.
+  that the same train step serves float16 with a real loss scale. Its own
+  `update` returns `should_apply` True whatever the gradients, as
+  `FixedLossScale`'s does; `LossScaleOptimizer` (and `loss_scale_optimizer`)
+  still skip non-finite steps unless `skip_nonfinite=False`.
 
   Examples:
     >>> import jax.numpy as jnp

@@ -284,6 +284,26 @@ def test_scaled_float16_loss_overflows_to_inf_as_in_tensorflow():
   assert jnp.isinf(ols.FixedLossScale(2**15).scale(loss))
 
 
+def test_scaled_float16_loss_overflow_alone_leaves_the_gradients_finite():
+  # `scale` is linear: its VJP multiplies the cotangent by the scale, so the
+  # backward pass never sees the inf scaled loss.
+  loss_scale = ols.FixedLossScale(2**15)
+
+  def scaled_loss(w):  # 42, times 2**15, overflows float16
+    return loss_scale.scale(jnp.sum(w.astype(jnp.float16)) + jnp.float16(40))
+
+  value, grads = jax.value_and_grad(scaled_loss)(jnp.ones(2))
+  assert value.dtype == jnp.float16 and jnp.isinf(value)
+  np.testing.assert_array_equal(grads, [2.0**15, 2.0**15])
+  assert bool(loss_scale.grads_finite(grads))
+  # A scale beyond float16's largest value overflows the cotangent itself.
+  too_large = ols.FixedLossScale(2**16)
+  grads = jax.grad(lambda w: too_large.scale(jnp.sum(w.astype(jnp.float16))))(
+    jnp.ones(2)
+  )
+  assert not bool(too_large.grads_finite(grads))
+
+
 def test_unscale_is_the_same_with_and_without_jit():
   loss_scale = ols.FixedLossScale(3.0)
   x = jax.random.normal(jax.random.PRNGKey(0), (1000,))
@@ -367,11 +387,19 @@ def test_min_loss_scale_survives_jit_unlike_jmp():
 
 
 def test_hyperparameters_are_static_and_state_are_leaves():
-  loss_scale = ols.DynamicLossScale()
-  leaves = jax.tree.leaves(loss_scale)
-  assert len(leaves) == 2
-  assert {x.dtype for x in leaves} == {jnp.dtype("float32"), jnp.dtype("int32")}
-  assert jax.tree.leaves(ols.FixedLossScale(2.0)) == []
+  # As `LossScale` and the README describe the registration: keyed leaves,
+  # the budget a third one only with hysteresis.
+  def leaves(loss_scale):
+    flat = jax.tree_util.tree_flatten_with_path(loss_scale)[0]
+    return {jax.tree_util.keystr(path): x.dtype for path, x in flat}
+
+  int32, float32 = jnp.dtype("int32"), jnp.dtype("float32")
+  two = {".current_loss_scale": float32, ".num_good_steps": int32}
+  assert leaves(ols.DynamicLossScale()) == two
+  assert leaves(ols.DynamicLossScale(hysteresis=2)) == two | {
+    ".hysteresis_budget": int32
+  }
+  assert leaves(ols.FixedLossScale(2.0)) == leaves(ols.NoOpLossScale()) == {}
 
 
 def test_no_retrace_when_only_array_state_changes():

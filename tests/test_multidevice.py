@@ -40,6 +40,7 @@ def _run(*checks: str, timeout: int = 240) -> None:
   "check",
   [
     "pmap",
+    "pmap_readme_step",
     "shard_map",
     "sharded_jit",
     "sharded_leaves_are_checked_in_place",

@@ -110,15 +110,22 @@ def test_counters_count_skips_and_reset_consecutive_on_apply():
   assert int(state.consecutive_skipped_steps) == 3
 
 
-def test_fixed_scale_skips_nonfinite_by_default_but_not_when_asked():
+@pytest.mark.parametrize(
+  "loss_scale", [ols.FixedLossScale(2), ols.NoOpLossScale()], ids=repr
+)
+def test_fixed_and_noop_scales_skip_nonfinite_by_default_but_not_when_asked(
+  loss_scale,
+):
+  # Their own `update` always applies; the optimizer skips all the same.
   grads = {"w": jnp.array([jnp.nan, 1.0])}
+  assert bool(loss_scale.update(grads)[1])
   params = {"w": jnp.zeros(2)}
-  skipping = ols.loss_scale_optimizer(optax.sgd(1.0), ols.FixedLossScale(2))
+  skipping = ols.loss_scale_optimizer(optax.sgd(1.0), loss_scale)
   updates, state = skipping.update(grads, skipping.init(params), params)
   assert not bool(state.should_apply)
   np.testing.assert_array_equal(updates["w"], [0.0, 0.0])
   tf_exact = ols.loss_scale_optimizer(
-    optax.sgd(1.0), ols.FixedLossScale(2), skip_nonfinite=False
+    optax.sgd(1.0), loss_scale, skip_nonfinite=False
   )
   updates, state = tf_exact.update(grads, tf_exact.init(params), params)
   assert bool(state.should_apply) and bool(jnp.isnan(updates["w"][0]))
