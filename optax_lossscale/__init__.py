@@ -2,10 +2,12 @@
 
 TensorFlow's `FixedLossScale` and `DynamicLossScale` as immutable JAX pytrees,
 `LossScaleOptimizer` (hysteresis, loss-aware skips, retries of overflowed
-batches, and skip reports and a stop rule read from its state) and `unscale_gradients` to put them in an
-Optax optimizer.
+batches, and skip reports and a stop rule read from its state),
+`unscale_gradients` to put them in an Optax optimizer, and `check_state` for
+restored checkpoints.
 """
 
+from optax_lossscale._check import check_state as check_state
 from optax_lossscale._loss_scale import DynamicLossScale as DynamicLossScale
 from optax_lossscale._loss_scale import FixedLossScale as FixedLossScale
 from optax_lossscale._loss_scale import LossScale as LossScale
@@ -61,6 +63,7 @@ __all__ = [
   "__version__",
   "all_finite",
   "apply_gradients",
+  "check_state",
   "deserialize",
   "format_skip",
   "get",

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import numbers
+from collections.abc import Callable
 from typing import Any, Self
 
 import jax
@@ -80,9 +80,15 @@ class LossScale(abc.ABC):
   """The base class of loss scales: a scale factor and how it evolves.
 
   A loss scale is an immutable pytree: `update` returns a new loss scale rather
-  than changing this one. Subclasses are frozen dataclasses registered with
-  `jax.tree_util.register_dataclass`, and implement `__call__`, `adjust` and
-  `get_config`. They may override `grads_finite` (to check faster) and
+  than changing this one. The built-in ones are frozen dataclasses:
+  `FixedLossScale` and `NoOpLossScale` are registered with
+  `jax.tree_util.register_dataclass` and have no leaves; `DynamicLossScale` is
+  registered with keys (`jax.tree_util.register_pytree_with_keys`) and has two
+  leaves, `current_loss_scale` and `num_good_steps`, and a third,
+  `hysteresis_budget`, when `hysteresis > 1`. A subclass must be a pytree whose
+  hyperparameters are static (a frozen dataclass registered with
+  `register_dataclass` is the simplest), and implement `__call__`, `adjust`
+  and `get_config`. It may override `grads_finite` (to check faster) and
   `lowered` (to support retries); the base implementations are correct for
   any scale.
 
@@ -174,7 +180,15 @@ class LossScale(abc.ABC):
 
     Each leaf keeps its dtype; the product is computed in at least float32 and
     rounded once. A float16 loss whose scaled value exceeds the float16 range
-    becomes inf, as in TensorFlow, and the step is then skipped.
+    becomes inf, as in TensorFlow. That alone does not skip the step: the
+    scaling is linear, so its VJP multiplies the incoming cotangent by the
+    scale, whatever the scaled loss is, and the backward pass sees the scale,
+    never the scaled loss. The gradients are then as finite as they would be
+    for a finite scaled loss, and the step is applied unless they overflow
+    (as they do when the scale itself exceeds float16's largest value, 65504:
+    the cotangent becomes inf where it enters float16). To skip on a
+    non-finite loss, pass the unscaled loss as `value=` (the value
+    `scaled_value_and_grad` returns).
 
     Args:
       tree: a pytree of floating-point arrays (typically the loss).
@@ -349,10 +363,13 @@ class FixedLossScale(LossScale):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, eq=False)
 class NoOpLossScale(LossScale):
-  """A loss scale of 1 that never skips: one code path for every precision.
+  """A loss scale of 1: one code path for every precision.
 
   Use it for bfloat16 and float32 training, which need no loss scaling, so
-  that the same train step serves float16 with a real loss scale.
+  that the same train step serves float16 with a real loss scale. Its own
+  `update` returns `should_apply` True whatever the gradients, as
+  `FixedLossScale`'s does; `LossScaleOptimizer` (and `loss_scale_optimizer`)
+  still skip non-finite steps unless `skip_nonfinite=False`.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -431,9 +448,15 @@ class DynamicLossScale(LossScale):
   otherwise, so a default loss scale has TensorFlow's two leaves). The
   hyperparameters are static and validated on every construction, also when
   the state fields are passed and when a pytree is unflattened. Pass the state
-  fields only to rebuild a loss scale from saved arrays (they are not read:
-  unflattening passes arbitrary leaves, and reading a device array would
-  synchronise with it).
+  fields only to rebuild a loss scale from saved arrays. Concrete ones (Python
+  numbers, NumPy arrays, JAX arrays that are not tracers) are checked, element
+  by element for a state stacked over replicas: the scale must be finite and
+  in `[min_loss_scale, max_loss_scale]`, `num_good_steps` an integer in
+  `[0, increment_period)` and `hysteresis_budget` one in `[0, hysteresis]`
+  (None when `hysteresis=1`). A JAX array is read for this, which waits for
+  it. Unflattening (under `jit`, in `jax.tree.map`, in an Orbax restore)
+  neither checks nor reads the state: check a restored tree with
+  `check_state`.
 
   Args:
     initial_loss_scale: the starting scale. The default, 2**15, is about half
@@ -455,7 +478,8 @@ class DynamicLossScale(LossScale):
     TypeError: if an argument has the wrong type (bools and strings included).
     ValueError: if `increment_period < 1`, `multiplier <= 1`, `hysteresis < 1`,
       or `0 < min_loss_scale <= initial_loss_scale <= max_loss_scale` does not
-      hold with finite float32 values.
+      hold with finite float32 values; or if a concrete state value is out of
+      its range (the message names the field and the value).
 
   Examples:
     >>> import jax.numpy as jnp
@@ -480,6 +504,13 @@ class DynamicLossScale(LossScale):
     8.0 False
     4.0 False
     2.0 False
+
+    State values passed to the constructor are checked:
+
+    >>> ols.DynamicLossScale(current_loss_scale=jnp.float32(jnp.nan))
+    Traceback (most recent call last):
+    ...
+    ValueError: `DynamicLossScale(current_loss_scale=...)` must be finite and in [min_loss_scale=1.0, float32's maximum], got nan.
   """
 
   initial_loss_scale: float = _static(default=2.0**15)
@@ -498,10 +529,40 @@ class DynamicLossScale(LossScale):
   )
 
   def __post_init__(self) -> None:
-    # Runs on every construction, unflattening included (with arbitrary
-    # leaves: tracers, shardings, None, NumPy zeros). Hyperparameters are
-    # Python values and always checked; the state is not read.
+    # A call of the constructor (or `dataclasses.replace`): the state passed
+    # is checked where it is concrete.
+    self._setup(check_state=True)
+
+  @classmethod
+  def _from_fields(cls, fields: dict[str, Any]) -> Self:
+    """Builds from every field, without checking or reading the state.
+
+    For unflattening, which passes arbitrary leaves (tracers, shardings,
+    None, NumPy zeros from a tree map) and must stay cheap, and for the
+    states that `adjust` and `lowered` compute.
+    """
+    new = object.__new__(cls)
+    for f in dataclasses.fields(cls):
+      object.__setattr__(new, f.name, fields[f.name])
+    new._setup(check_state=False)
+    return new
+
+  def _with_state(self, **state: Any) -> Self:
+    fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    return self._from_fields(fields | state)
+
+  def _setup(self, *, check_state: bool) -> None:
+    # The hyperparameters are Python values: checked on every construction.
     self._validate()
+    if check_state:
+      passed = {
+        name: getattr(self, name)
+        for name in _DYNAMIC_STATE
+        if getattr(self, name) is not _FRESH
+      }
+      check_state_values(
+        self, passed, lambda name: f"`DynamicLossScale({name}=...)`"
+      )
     if self.current_loss_scale is _FRESH:
       scale = jnp.asarray(self.initial_loss_scale, jnp.float32)
       object.__setattr__(self, "current_loss_scale", scale)
@@ -521,7 +582,6 @@ class DynamicLossScale(LossScale):
       if self.hysteresis > 1:
         budget = jnp.asarray(self.hysteresis, jnp.int32)
       object.__setattr__(self, "hysteresis_budget", budget)
-    self._check_budget()
 
   def _validate(self) -> None:
     call = "DynamicLossScale"
@@ -574,16 +634,6 @@ class DynamicLossScale(LossScale):
     ]:
       object.__setattr__(self, name, value)
 
-  def _check_budget(self) -> None:
-    if self.hysteresis == 1 and self.hysteresis_budget is not None:
-      if isinstance(
-        self.hysteresis_budget, (numbers.Real, np.ndarray, np.generic)
-      ):
-        raise ValueError(
-          "`DynamicLossScale(hysteresis_budget=...)` must be None when"
-          f" hysteresis=1, got {self.hysteresis_budget!r:.80}."
-        )
-
   def __call__(self) -> jax.Array:
     # `asarray` unwraps containers such as Flax NNX's optimizer variables.
     return jnp.asarray(self.current_loss_scale)
@@ -609,8 +659,7 @@ class DynamicLossScale(LossScale):
     What TensorFlow's algorithm does on a non-finite step, whatever the
     hysteresis; the budget is left as it is.
     """
-    return dataclasses.replace(
-      self,
+    return self._with_state(
       current_loss_scale=self._backed_off(),
       num_good_steps=jnp.zeros_like(self.num_good_steps),
     )
@@ -643,8 +692,7 @@ class DynamicLossScale(LossScale):
     lowered = jnp.where(lower, self._backed_off(), scale)
     new_scale = jnp.where(grads_finite, grown, lowered)
     new_good_steps = jnp.where(grads_finite, good_steps, 0).astype(jnp.int32)
-    new = dataclasses.replace(
-      self,
+    new = self._with_state(
       current_loss_scale=new_scale,
       num_good_steps=new_good_steps,
       hysteresis_budget=new_budget,
@@ -705,12 +753,76 @@ def _flatten_dynamic(
 def _unflatten_dynamic(
   static: tuple[Any, ...], children: Any
 ) -> DynamicLossScale:
-  kwargs = dict(zip(_DYNAMIC_STATIC, static, strict=True))
-  state = dict(zip(_DYNAMIC_STATE, children, strict=False))
-  state.setdefault("hysteresis_budget", None)
-  return DynamicLossScale(**kwargs, **state)
+  fields = dict(zip(_DYNAMIC_STATIC, static, strict=True))
+  fields |= dict(zip(_DYNAMIC_STATE, children, strict=False))
+  fields.setdefault("hysteresis_budget", None)
+  return DynamicLossScale._from_fields(fields)
 
 
 jax.tree_util.register_pytree_with_keys(
   DynamicLossScale, _flatten_dynamic, _unflatten_dynamic
 )
+
+
+def check_state_values(
+  loss_scale: DynamicLossScale,
+  state: dict[str, Any],
+  describe: Callable[[str], str],
+) -> None:
+  """Raises unless the concrete values in `state` are valid for `loss_scale`.
+
+  Args:
+    loss_scale: gives the hyperparameters the values are checked against.
+    state: values by field name (`current_loss_scale`, `num_good_steps`,
+      `hysteresis_budget`); abstract ones (tracers, shapes) are not checked.
+    describe: gives where a field's value came from, for the message.
+
+  Raises:
+    TypeError: if a value has the wrong dtype.
+    ValueError: naming the field and the first offending element.
+  """
+  for name, value in state.items():
+    where = describe(name)
+    if name == "current_loss_scale":
+      low = loss_scale.min_loss_scale
+      if loss_scale.max_loss_scale is None:
+        high, top = _validation.FLOAT32_MAX, "float32's maximum"
+      else:
+        high = loss_scale.max_loss_scale
+        top = f"max_loss_scale={high!r}"
+      _validation.elements(
+        where,
+        value,
+        integer=False,
+        low=low,
+        high=high,
+        expected=f"finite and in [min_loss_scale={low!r}, {top}]",
+      )
+    elif name == "num_good_steps":
+      period = loss_scale.increment_period
+      _validation.elements(
+        where,
+        value,
+        integer=True,
+        low=0,
+        high=period,
+        high_open=True,
+        expected=f"an integer in [0, increment_period={period})",
+      )
+    elif loss_scale.hysteresis == 1:
+      if value is not None and _validation.host_pieces(value):
+        raise ValueError(
+          f"{where} must be None when hysteresis=1, got {value!r:.80}."
+        )
+    else:
+      expected = f"an integer in [0, hysteresis={loss_scale.hysteresis}]"
+      if value is None:
+        raise ValueError(f"{where} must be {expected}, got None.")
+      _validation.elements(
+        where,
+        value,
+        integer=True,
+        low=0,
+        high=loss_scale.hysteresis,
+        expected=expected,
+      )

@@ -32,11 +32,29 @@ def unscale_gradients(
   Put it first in an `optax.chain`. It divides the incoming (scaled)
   gradients by the loss scale, then updates the loss scale from them (see
   `LossScale.grads_finite`) and stores the new loss scale and `should_apply`
-  in its state. It only reports: the rest of the chain runs on every step, so
-  pair it with your own skipping (for example
-  `optax.MultiSteps(should_skip_update_fn=...)`), or use `LossScaleOptimizer`,
-  which skips for you. Given the loss as `value=`, a step whose loss is not
-  finite reports `should_apply` False and leaves the loss scale unchanged.
+  in its state. It only reports: the rest of the chain runs on every step.
+  Given the loss as `value=`, a step whose loss is not finite reports
+  `should_apply` False and leaves the loss scale unchanged.
+
+  To skip non-finite steps, use `LossScaleOptimizer`, which skips for you, or
+  skip *after* this transformation, so that its `update` runs on every step:
+  only that call lowers the scale. Pairings that back off on an overflow:
+
+  - `optax.chain(unscale_gradients(loss_scale), optax.apply_if_finite(inner,
+    max_consecutive_errors=...))`: `inner` skips the steps whose unscaled
+    gradients are not finite (but after `max_consecutive_errors` of them in a
+    row, `apply_if_finite` applies one anyway);
+  - your own `lax.cond` on this state's `should_apply` that keeps this
+    transformation's new state on a skipped step, and only the rest of the
+    old state (the README's "`unscale_gradients` or `LossScaleOptimizer`?").
+
+  Pitfall: a skip *before* it stalls the loss scale. On a skipped step this
+  `update` is not called, so the scale is never lowered, and a scale too high
+  for the gradients keeps every step skipped, for ever. This happens
+  with `optax.MultiSteps(chain(unscale_gradients(...), ...),
+  should_skip_update_fn=optax.skip_not_finite)`, with
+  `optax.apply_if_finite(chain(unscale_gradients(...), ...))`, and with a
+  `lax.cond` that keeps the whole old optimizer state on a skipped step.
 
   Args:
     loss_scale: the initial loss scale.
@@ -59,6 +77,17 @@ def unscale_gradients(
     >>> updates, state = tx.update({"w": jnp.array([4.0, 8.0])}, state)
     >>> updates["w"]
     Array([-1., -2.], dtype=float32)
+
+    Skipping after it, with `optax.apply_if_finite`: a NaN step is skipped
+    and lowers the scale.
+
+    >>> tx = optax.chain(
+    ...     ols.unscale_gradients(ols.DynamicLossScale(8.0)),
+    ...     optax.apply_if_finite(optax.sgd(1.0), max_consecutive_errors=100))
+    >>> state = tx.init({"w": jnp.zeros(2)})
+    >>> updates, state = tx.update({"w": jnp.array([jnp.nan, 8.0])}, state)
+    >>> updates["w"], float(ols.get_loss_scale(state)())
+    (Array([0., 0.], dtype=float32), 4.0)
   """
   call = "unscale_gradients"
   check_loss_scale(call, loss_scale)

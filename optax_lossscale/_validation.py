@@ -80,3 +80,94 @@ def boolean(call: str, name: str, value: Any) -> bool:
       f" {value!r:.80}."
     )
   return bool(value)
+
+
+def host_pieces(value: Any) -> list[tuple[tuple[int, ...], np.ndarray]]:
+  """`value` read on the host, as `(offset, array)` pieces; [] if abstract.
+
+  A Python number, NumPy array or scalar, or `jax.Array` that is not a tracer
+  is concrete: it is read here (a device array synchronises). An array spread
+  over processes is read shard by shard, each at its offset in the global
+  array. Anything else (a tracer, None, a `jax.ShapeDtypeStruct`, a sharding)
+  gives no pieces: there is nothing to read.
+  """
+  if isinstance(value, jax.core.Tracer):
+    return []
+  if isinstance(value, jax.Array) and not value.is_fully_addressable:
+    return [
+      (
+        tuple(s.start or 0 for s in shard.index),
+        np.asarray(shard.data),
+      )
+      for shard in value.addressable_shards
+    ]
+  if isinstance(value, (numbers.Number, np.ndarray, np.generic, jax.Array)):
+    array = np.asarray(value)
+    return [((0,) * array.ndim, array)]
+  return []
+
+
+def first_bad(ok: np.ndarray) -> tuple[int, ...] | None:
+  """The index of the first False element of `ok`, or None."""
+  if ok.all():
+    return None
+  return tuple(int(i) for i in np.argwhere(~ok)[0])
+
+
+def element(
+  offset: tuple[int, ...], data: np.ndarray, index: tuple[int, ...]
+) -> str:
+  """`data[index]` for a message, with its global index in an array."""
+  got = repr(data[index].item())
+  if data.ndim:
+    at = tuple(o + i for o, i in zip(offset, index, strict=True))
+    got += f" at index {at}"
+  return got
+
+
+def elements(
+  where: str,
+  value: Any,
+  *,
+  integer: bool,
+  low: float,
+  high: float | None = None,
+  high_open: bool = False,
+  expected: str,
+) -> None:
+  """Raises unless every element of a concrete `value` is in range.
+
+  Abstract values (see `host_pieces`) pass. Each element, whatever the shape
+  (a state stacked over replicas has a leading axis), must be finite and in
+  `[low, high]` (`[low, high)` with `high_open`; `high=None` is no bound).
+  Floating-point values are compared in float32, as the state holds them.
+
+  Args:
+    where: the call and argument, as the message names them.
+    value: the value to check.
+    integer: whether the value must be of an integer dtype.
+    low: the lowest valid value.
+    high: the highest valid value, or None.
+    high_open: whether `high` itself is invalid.
+    expected: what the value must be, for the message ("in [0, 3)").
+
+  Raises:
+    TypeError: if the value is a bool, not real, or not of an integer dtype
+      when `integer`.
+    ValueError: naming the first offending element (and its index, for an
+      array), if an element is out of range.
+  """
+  for offset, data in host_pieces(value):
+    if data.dtype.kind not in ("iu" if integer else "iuf"):
+      kind = "an integer" if integer else "a real number"
+      got = f"{value!r:.80}" if data.ndim == 0 else f"dtype {data.dtype}"
+      raise TypeError(f"{where} must be {kind}, got {got}.")
+    with np.errstate(over="ignore"):  # beyond float32 is inf: not finite
+      x = data if integer else data.astype(np.float32)
+    ok = np.isfinite(x) & (x >= low)
+    if high is not None:
+      ok &= (x < high) if high_open else (x <= high)
+    index = first_bad(ok)
+    if index is not None:
+      got = element(offset, data, index)
+      raise ValueError(f"{where} must be {expected}, got {got}.")

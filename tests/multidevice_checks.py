@@ -103,6 +103,47 @@ def check_pmap():
   np.testing.assert_array_equal(u_state.loss_scale.current_loss_scale, 2.0**9)
 
 
+def check_pmap_readme_step():
+  # The README's pmap step, with and without its `pmean` of the gradients.
+  tx = ols.loss_scale_optimizer(
+    optax.sgd(0.1), ols.DynamicLossScale(2.0**10), axis_name="batch"
+  )
+
+  def loss_fn(params, x, y):
+    return jnp.mean((x @ params["w"] - y) ** 2)
+
+  def train_step(mean):
+    @partial(jax.pmap, axis_name="batch")
+    def step(params, opt_state, x, y):
+      loss, grads = ols.scaled_value_and_grad(loss_fn)(opt_state, params, x, y)
+      if mean:
+        grads = jax.lax.pmean(grads, "batch")
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state
+
+    return step
+
+  x = jax.random.normal(jax.random.PRNGKey(0), (N, 4, 3))
+  y = jax.random.normal(jax.random.PRNGKey(1), (N, 4))
+  params = {"w": jnp.zeros((N, 3))}  # the same on every replica
+  state = jax.pmap(tx.init)(params)
+  for mean in (True, False):
+    p, s = params, state
+    for _ in range(2):
+      p, s = train_step(mean)(p, s, x, y)
+    distinct = len({tuple(row) for row in np.asarray(p["w"]).tolist()})
+    assert distinct == (1 if mean else N), (mean, distinct)
+
+  # `check_state` reads the replicas' states element by element.
+  assert ols.check_state(s) is s
+  bad = s._replace(consecutive_skipped_steps=s.skipped_steps + 1)
+  try:
+    ols.check_state(bad)
+    raise AssertionError("check_state accepted more consecutive skips")
+  except ValueError as e:
+    assert "got 1 at index (0,), with skipped_steps=0." in str(e), e
+
+
 def check_shard_map():
   mesh = _mesh((N,), ("i",))
   tx = _make("i")

@@ -52,6 +52,19 @@ for t in range(2):
   applied = bool(state.should_apply)
   assert applied == (t == 1), (t, applied)
 
+# The state's arrays span both processes: each checks the shards it holds.
+assert not state.retries.is_fully_addressable
+assert ols.check_state(state) is state
+ols.DynamicLossScale(
+  2.0**10, 2, current_loss_scale=state.loss_scale.current_loss_scale
+)
+negative = jax.jit(lambda s: s._replace(retries=s.retries - 1))(state)
+try:
+  ols.check_state(negative)
+  raise AssertionError("check_state accepted a negative counter")
+except ValueError as e:
+  assert "`tree.retries` must be non-negative, got -1." in str(e), e
+
 result = np.concatenate(
   [
     np.asarray(params["w"].addressable_data(0)).ravel(),

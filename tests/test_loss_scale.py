@@ -284,6 +284,26 @@ def test_scaled_float16_loss_overflows_to_inf_as_in_tensorflow():
   assert jnp.isinf(ols.FixedLossScale(2**15).scale(loss))
 
 
+def test_scaled_float16_loss_overflow_alone_leaves_the_gradients_finite():
+  # `scale` is linear: its VJP multiplies the cotangent by the scale, so the
+  # backward pass never sees the inf scaled loss.
+  loss_scale = ols.FixedLossScale(2**15)
+
+  def scaled_loss(w):  # 42, times 2**15, overflows float16
+    return loss_scale.scale(jnp.sum(w.astype(jnp.float16)) + jnp.float16(40))
+
+  value, grads = jax.value_and_grad(scaled_loss)(jnp.ones(2))
+  assert value.dtype == jnp.float16 and jnp.isinf(value)
+  np.testing.assert_array_equal(grads, [2.0**15, 2.0**15])
+  assert bool(loss_scale.grads_finite(grads))
+  # A scale beyond float16's largest value overflows the cotangent itself.
+  too_large = ols.FixedLossScale(2**16)
+  grads = jax.grad(lambda w: too_large.scale(jnp.sum(w.astype(jnp.float16))))(
+    jnp.ones(2)
+  )
+  assert not bool(too_large.grads_finite(grads))
+
+
 def test_unscale_is_the_same_with_and_without_jit():
   loss_scale = ols.FixedLossScale(3.0)
   x = jax.random.normal(jax.random.PRNGKey(0), (1000,))
@@ -367,11 +387,19 @@ def test_min_loss_scale_survives_jit_unlike_jmp():
 
 
 def test_hyperparameters_are_static_and_state_are_leaves():
-  loss_scale = ols.DynamicLossScale()
-  leaves = jax.tree.leaves(loss_scale)
-  assert len(leaves) == 2
-  assert {x.dtype for x in leaves} == {jnp.dtype("float32"), jnp.dtype("int32")}
-  assert jax.tree.leaves(ols.FixedLossScale(2.0)) == []
+  # As `LossScale` and the README describe the registration: keyed leaves,
+  # the budget a third one only with hysteresis.
+  def leaves(loss_scale):
+    flat = jax.tree_util.tree_flatten_with_path(loss_scale)[0]
+    return {jax.tree_util.keystr(path): x.dtype for path, x in flat}
+
+  int32, float32 = jnp.dtype("int32"), jnp.dtype("float32")
+  two = {".current_loss_scale": float32, ".num_good_steps": int32}
+  assert leaves(ols.DynamicLossScale()) == two
+  assert leaves(ols.DynamicLossScale(hysteresis=2)) == two | {
+    ".hysteresis_budget": int32
+  }
+  assert leaves(ols.FixedLossScale(2.0)) == leaves(ols.NoOpLossScale()) == {}
 
 
 def test_no_retrace_when_only_array_state_changes():
@@ -418,3 +446,106 @@ def test_restore_from_saved_arrays():
   )
   assert int(restored.num_good_steps) == 3
   assert math.isclose(float(restored()), 64.0)
+
+
+# --- state passed to the constructor ----------------------------------------
+
+
+@pytest.mark.parametrize(
+  "kwargs, message",
+  [
+    (dict(current_loss_scale=float("nan")), "current_loss_scale.*got nan"),
+    (dict(current_loss_scale=np.float32(np.inf)), "current_loss_scale.*inf"),
+    (dict(current_loss_scale=jnp.float32(0.5)), "min_loss_scale=1.0.*0.5"),
+    (
+      dict(initial_loss_scale=4.0, max_loss_scale=64.0, current_loss_scale=128),
+      r"max_loss_scale=64.0\], got 128\.",
+    ),
+    (dict(current_loss_scale=1e39), "float32's maximum.*1e\\+39"),
+    (dict(num_good_steps=-3), r"num_good_steps=...\)` must be .*got -3\."),
+    (
+      dict(num_good_steps=jnp.int32(2000)),
+      r"in \[0, increment_period=2000\), got 2000",
+    ),
+    (
+      dict(hysteresis=2, hysteresis_budget=np.int32(3)),
+      r"hysteresis_budget.*\[0, hysteresis=2\], got 3",
+    ),
+    (dict(hysteresis=2, hysteresis_budget=-1), "hysteresis_budget.*got -1"),
+    (dict(hysteresis=2, hysteresis_budget=None), "hysteresis_budget.*None"),
+    (dict(hysteresis_budget=jnp.int32(1)), "None when hysteresis=1"),
+  ],
+)
+def test_constructor_refuses_concrete_state_out_of_range(kwargs, message):
+  with pytest.raises(ValueError, match=r"`DynamicLossScale\(.*" + message):
+    ols.DynamicLossScale(**kwargs)
+
+
+@pytest.mark.parametrize(
+  "kwargs, name",
+  [
+    (dict(num_good_steps=2.5), "num_good_steps"),
+    (dict(num_good_steps=np.float32(2)), "num_good_steps"),
+    (dict(current_loss_scale=True), "current_loss_scale"),
+    (dict(hysteresis=2, hysteresis_budget=jnp.float32(1)), "hysteresis_budget"),
+  ],
+)
+def test_constructor_refuses_state_of_the_wrong_dtype(kwargs, name):
+  with pytest.raises(TypeError, match=f"`DynamicLossScale\\({name}=...\\)`"):
+    ols.DynamicLossScale(**kwargs)
+
+
+def test_constructor_checks_a_stacked_state_element_by_element():
+  scales = jnp.array([4.0, 8.0, jnp.nan, 0.5])
+  with pytest.raises(ValueError, match=r"got nan at index \(2,\)"):
+    ols.DynamicLossScale(4.0, current_loss_scale=scales)
+  steps = np.array([[0, 1], [4, 5]], np.int32)
+  with pytest.raises(ValueError, match=r"got 5 at index \(1, 1\)"):
+    ols.DynamicLossScale(4.0, 5, num_good_steps=steps)
+  stacked = ols.DynamicLossScale(
+    4.0, 5, current_loss_scale=scales[:2], num_good_steps=steps[0]
+  )
+  assert stacked.num_good_steps.shape == (2,)
+
+
+@pytest.mark.parametrize(
+  "state",
+  [
+    dict(current_loss_scale=1, num_good_steps=0),
+    dict(current_loss_scale=np.float32(8), num_good_steps=np.int32(4)),
+    dict(current_loss_scale=jnp.float32(1), num_good_steps=jnp.int32(4)),
+    dict(current_loss_scale=np.float64(8.0), num_good_steps=np.int64(0)),
+  ],
+)
+def test_constructor_accepts_the_bounds(state):
+  ls = ols.DynamicLossScale(4.0, 5, max_loss_scale=8.0, **state)
+  assert ls.current_loss_scale.dtype in (np.float32, np.float64)
+  for budget in (0, 3, np.int32(3), jnp.int32(0)):
+    ols.DynamicLossScale(4.0, hysteresis=3, hysteresis_budget=budget)
+  # min_loss_scale is compared as float32, as the state holds it.
+  floor = ols.DynamicLossScale(1.0, min_loss_scale=0.1, current_loss_scale=0.1)
+  floored, _ = floor.update({"g": jnp.array(jnp.nan)})
+  assert float(floored()) == float(np.float32(0.1))
+
+
+def test_unflattening_neither_checks_nor_reads_the_state():
+  ls = ols.DynamicLossScale(4.0, 5, hysteresis=2)
+  # Out of range, not a number, abstract: unflattening takes any leaves.
+  for leaf in [-1, np.float32(np.nan), None, jax.ShapeDtypeStruct((), int)]:
+    out = jax.tree.map(lambda x, leaf=leaf: leaf, ls)
+    assert isinstance(out, ols.DynamicLossScale) and out.hysteresis == 2
+  leaves, treedef = jax.tree.flatten(ls)
+  with jax.transfer_guard("disallow"):
+    jax.tree.unflatten(treedef, [-leaf for leaf in leaves])
+  # A state built from tracers under `jit` is not checked either.
+  build = jax.jit(lambda s: ols.DynamicLossScale(current_loss_scale=s)())
+  assert float(build(jnp.float32(-1.0))) == -1.0
+
+
+def test_steps_build_their_state_without_reading_it():
+  ls = ols.DynamicLossScale(4.0, 1, hysteresis=2)
+  with jax.transfer_guard_device_to_host("disallow"):
+    for grad in [1.0, jnp.nan, jnp.nan]:
+      ls, _ = ls.update({"g": jnp.array(grad)})
+    ls = ls.lowered()
+  assert float(ls()) == 2.0

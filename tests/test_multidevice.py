@@ -38,7 +38,12 @@ def _run(*checks: str, timeout: int = 600) -> None:
 
 
 def test_replicas_agree_under_pmap():
-  _run("pmap", "nan_loss_on_one_replica", "minimize_retries_agree")
+  _run(
+    "pmap",
+    "pmap_readme_step",
+    "nan_loss_on_one_replica",
+    "minimize_retries_agree",
+  )
 
 
 @pytest.mark.parametrize("axes", ["explicit", "auto"])

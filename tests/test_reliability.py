@@ -146,12 +146,14 @@ def test_injected_faults_lose_nothing(dtype):
 
 
 @pytest.mark.usefixtures("standard_promotion")
-def test_scaled_float16_loss_overflow_is_skipped_end_to_end():
+def test_float16_gradient_overflow_is_skipped_end_to_end():
   params = {"w": jnp.full((4,), 3.0)}
 
   def loss_fn(p):
     w = p["w"].astype(jnp.float16)
-    return jnp.sum(w * w)  # 36: times 2**15 overflows float16
+    # Gradients 2 * 3 * 2**15 overflow float16 (the scaled loss, 36 * 2**15,
+    # does too, but that alone would skip nothing: see the next test).
+    return jnp.sum(w * w)
 
   tx = ols.loss_scale_optimizer(optax.sgd(0.01), ols.DynamicLossScale())
   state = tx.init(params)
@@ -172,6 +174,31 @@ def test_scaled_float16_loss_overflow_is_skipped_end_to_end():
   # The gradients (2 * 3 * scale) now fit in float16.
   assert float(ols.get_loss_scale(state)()) * 6 <= 65504
   assert not np.allclose(new_params["w"], params["w"])
+
+
+@pytest.mark.usefixtures("standard_promotion")
+def test_scaled_float16_loss_overflow_alone_is_applied_end_to_end():
+  params = {"w": jnp.full((4,), 3.0)}
+
+  def loss_fn(p):
+    # 36: times 2**15 overflows float16, but each gradient is 2**15.
+    return jnp.sum(p["w"].astype(jnp.float16)) + jnp.float16(24)
+
+  tx = ols.loss_scale_optimizer(optax.sgd(0.5), ols.DynamicLossScale())
+  state = tx.init(params)
+  assert jnp.isinf(ols.get_loss_scale(state).scale(loss_fn(params)))
+
+  @jax.jit
+  def step(params, state):
+    loss, grads = ols.scaled_value_and_grad(loss_fn)(state, params)
+    updates, state = tx.update(grads, state, params, value=loss)
+    return optax.apply_updates(params, updates), state, loss
+
+  new_params, state, loss = step(params, state)
+  assert float(loss) == 36.0
+  assert bool(state.should_apply) and int(state.skipped_steps) == 0
+  assert float(ols.get_loss_scale(state)()) == 2.0**15
+  np.testing.assert_array_equal(new_params["w"], 2.5)
 
 
 # --- soak and resume -----------------------------------------------------------------

@@ -110,15 +110,22 @@ def test_counters_count_skips_and_reset_consecutive_on_apply():
   assert int(state.consecutive_skipped_steps) == 3
 
 
-def test_fixed_scale_skips_nonfinite_by_default_but_not_when_asked():
+@pytest.mark.parametrize(
+  "loss_scale", [ols.FixedLossScale(2), ols.NoOpLossScale()], ids=repr
+)
+def test_fixed_and_noop_scales_skip_nonfinite_by_default_but_not_when_asked(
+  loss_scale,
+):
+  # Their own `update` always applies; the optimizer skips all the same.
   grads = {"w": jnp.array([jnp.nan, 1.0])}
+  assert bool(loss_scale.update(grads)[1])
   params = {"w": jnp.zeros(2)}
-  skipping = ols.loss_scale_optimizer(optax.sgd(1.0), ols.FixedLossScale(2))
+  skipping = ols.loss_scale_optimizer(optax.sgd(1.0), loss_scale)
   updates, state = skipping.update(grads, skipping.init(params), params)
   assert not bool(state.should_apply)
   np.testing.assert_array_equal(updates["w"], [0.0, 0.0])
   tf_exact = ols.loss_scale_optimizer(
-    optax.sgd(1.0), ols.FixedLossScale(2), skip_nonfinite=False
+    optax.sgd(1.0), loss_scale, skip_nonfinite=False
   )
   updates, state = tf_exact.update(grads, tf_exact.init(params), params)
   assert bool(state.should_apply) and bool(jnp.isnan(updates["w"][0]))
@@ -245,6 +252,105 @@ def test_extra_args_reach_the_inner_transformation():
   tx = ols.loss_scale_optimizer(inner, ols.NoOpLossScale())
   tx.update({"w": jnp.ones(1)}, tx.init({"w": jnp.ones(1)}), value=3.0)
   assert seen["value"] == 3.0
+
+
+# --- pairings of unscale_gradients with a skip -----------------------------------
+
+
+def _own_skip_step(loss_scale):
+  # The README's own skip after `unscale_gradients`.
+  tx = optax.chain(ols.unscale_gradients(loss_scale), optax.sgd(1.0))
+
+  def train_step(params, opt_state, grads):
+    updates, new_state = tx.update(grads, opt_state, params)
+    params, rest = jax.lax.cond(
+      new_state[0].should_apply,
+      lambda: (optax.apply_updates(params, updates), new_state[1:]),
+      lambda: (params, opt_state[1:]),
+    )
+    return params, (new_state[0], *rest)
+
+  return tx, train_step
+
+
+def _update_step(tx):
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  return tx, step
+
+
+def _fused_step(tx):
+  return tx, lambda params, state, grads: tx.apply_gradients(
+    grads, state, params
+  )
+
+
+BACKING_OFF = {
+  "LossScaleOptimizer": lambda ls: _fused_step(
+    ols.LossScaleOptimizer(optax.sgd(1.0), ls)
+  ),
+  "loss_scale_optimizer": lambda ls: _update_step(
+    ols.loss_scale_optimizer(optax.sgd(1.0), ls)
+  ),
+  "chain_then_apply_if_finite": lambda ls: _update_step(
+    optax.chain(
+      ols.unscale_gradients(ls),
+      optax.apply_if_finite(optax.sgd(1.0), max_consecutive_errors=100),
+    )
+  ),
+  "own_lax_cond": _own_skip_step,
+}
+
+STALLING = {
+  "multisteps_skip_not_finite": lambda ls: _update_step(
+    optax.MultiSteps(
+      optax.chain(ols.unscale_gradients(ls), optax.sgd(1.0)),
+      every_k_schedule=1,
+      should_skip_update_fn=optax.skip_not_finite,
+    ).gradient_transformation()
+  ),
+  "apply_if_finite_of_the_chain": lambda ls: _update_step(
+    optax.apply_if_finite(
+      optax.chain(ols.unscale_gradients(ls), optax.sgd(1.0)),
+      max_consecutive_errors=100,
+    )
+  ),
+}
+
+
+def _scales_over_nan_steps(pairing, steps=3):
+  tx, step = pairing(ols.DynamicLossScale())
+  step = jax.jit(step)
+  params = {"w": jnp.ones(2)}
+  state = tx.init(params)
+  scales = []
+  for _ in range(steps):
+    params, state = step(params, state, {"w": jnp.array([jnp.nan, 1.0])})
+    scales.append(float(ols.get_loss_scale(state)()))
+  return params, state, step, scales
+
+
+@pytest.mark.usefixtures("standard_promotion")
+@pytest.mark.parametrize("pairing", BACKING_OFF)
+def test_pairings_that_skip_after_unscale_gradients_back_off(pairing):
+  params, state, step, scales = _scales_over_nan_steps(BACKING_OFF[pairing])
+  assert scales == [2.0**14, 2.0**13, 2.0**12]
+  np.testing.assert_array_equal(params["w"], [1.0, 1.0])  # nothing applied
+  grads = {"w": jnp.full(2, 2.0**12)}  # 1 once unscaled
+  params, state = step(params, state, grads)
+  np.testing.assert_array_equal(params["w"], [0.0, 0.0])
+
+
+@pytest.mark.usefixtures("standard_promotion")
+@pytest.mark.parametrize("pairing", STALLING)
+def test_pairings_that_skip_before_unscale_gradients_stall_the_scale(pairing):
+  # What the docs warn about: unscale_gradients is never called on the
+  # skipped steps, so the scale never backs off.
+  params, _, _, scales = _scales_over_nan_steps(STALLING[pairing])
+  assert scales == [2.0**15] * 3
+  np.testing.assert_array_equal(params["w"], [1.0, 1.0])
 
 
 # --- jit, scan, donation ---------------------------------------------------------
