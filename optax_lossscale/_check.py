@@ -28,6 +28,8 @@ _COUNTERS = (
   "nonfinite_loss_steps",
   "retries",
 )
+# The counters of a `SkipRecord` (the last skipped step).
+_RECORD_COUNTERS = ("skipped_steps", "consecutive_skipped_steps", "nonfinite")
 _CALL = "`check_state(tree)`"
 
 
@@ -69,6 +71,20 @@ def _check_counters(state: LossScaleOptimizerState, where: str) -> None:
       )
 
 
+def _check_record(state: LossScaleOptimizerState, where: str) -> None:
+  """The last skip's counters are non-negative integers."""
+  if state.last_skip is None:  # a state restored from 0.1.0
+    return
+  for name in _RECORD_COUNTERS:
+    _validation.elements(
+      f"{where}.last_skip.{name}`",
+      _unwrapped(getattr(state.last_skip, name)),
+      integer=True,
+      low=0,
+      expected="non-negative",
+    )
+
+
 def _walk(tree: Any, prefix: tuple[Any, ...]) -> int:
   """Checks what `tree` holds; returns how many loss scales were found."""
   found = 0
@@ -78,6 +94,7 @@ def _walk(tree: Any, prefix: tuple[Any, ...]) -> int:
     where = f"{_CALL}: `tree{jax.tree_util.keystr(path)}"
     if isinstance(node, LossScaleOptimizerState):
       _check_counters(node, where)
+      _check_record(node, where)
       for name, value in node._asdict().items():
         if name not in _COUNTERS:
           key = jax.tree_util.GetAttrKey(name)
@@ -112,7 +129,8 @@ def check_state(tree: T) -> T:
     increment_period)`, `hysteresis_budget` one in `[0, hysteresis]`;
   - every counter of a `LossScaleOptimizerState` (`skipped_steps`,
     `consecutive_skipped_steps`, `nonfinite_loss_steps`, `retries`) is
-    non-negative, and `consecutive_skipped_steps <= skipped_steps`.
+    non-negative, and `consecutive_skipped_steps <= skipped_steps`; so are
+    the counters of its `last_skip` record.
 
   A checkpoint restored into a live run can carry a NaN scale, a negative
   counter or a scale below `min_loss_scale`; unflattening (what a restore

@@ -248,3 +248,20 @@ def test_orbax_checkpoint_corrupted_on_disk_is_caught(
   # Without a target, Orbax gives dicts: the loss scale has lost its type.
   with pytest.raises(ValueError, match="found no loss scale"):
     ols.check_state(untyped)
+
+
+def test_check_state_checks_the_skip_record_counters():
+  import dataclasses
+
+  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale())
+  state = tx.init({"w": jnp.zeros(2), "b": jnp.zeros(1)})
+  record = state.last_skip
+  for name, value in [
+    ("skipped_steps", jnp.int32(-1)),
+    ("consecutive_skipped_steps", jnp.int32(-3)),
+    ("nonfinite", jnp.array([0, -2], jnp.int32)),
+  ]:
+    bad = state._replace(last_skip=dataclasses.replace(record, **{name: value}))
+    with pytest.raises(ValueError, match=f"last_skip.{name}` must be non-neg"):
+      ols.check_state(bad)
+  assert ols.check_state(state._replace(last_skip=None)) is not None
