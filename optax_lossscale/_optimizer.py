@@ -187,6 +187,12 @@ class LossScaleOptimizer:
   also updates the parameters inside the `cond` and is the fastest train
   step; `update` returns the updates, which leave the `cond` as a buffer.
 
+  A skipped step also writes a `SkipRecord` into the state (`last_skip`:
+  the scales, whether the loss was finite, per-leaf counts of non-finite
+  unscaled gradients), computed in the skip branch only; nothing in the step
+  calls the host. Read it at your logging cadence with `skip_report` or a
+  `SkipMonitor`, which also stops a run that skips too many steps in a row.
+
   Use an instance wherever Optax transformations are duck-typed (flax
   linen's `TrainState.create(tx=...)`, `nnx.Optimizer(model, tx, wrt=...)`),
   or `gradient_transformation()` where an `optax.GradientTransformation` is
