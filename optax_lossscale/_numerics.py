@@ -262,57 +262,61 @@ def agree(flags: jax.Array, axis_name: AxisName) -> jax.Array:
 
 def nonfinite_counts(
   leaves: list[jax.Array], unscale: Callable[[jax.Array], jax.Array]
-) -> jax.Array:
-  """How many non-finite elements each leaf has once unscaled: int32s.
+) -> list[jax.Array]:
+  """How many non-finite elements each leaf has once unscaled: int32 scalars.
 
   The leaves are read in the groups the check reads them in, and `unscale`
   (an elementwise division, as `LossScale.unscale` is) is applied to each
   group as one array, so that hundreds of small leaves cost a few kernels,
-  not a few each.
+  not a few each. No array constant enters the computation (a `vmap`ped
+  `cond` over a sharded member axis refuses them).
   """
-  per_group, order = [], []
+  counts: list[jax.Array] = [jnp.zeros((), jnp.int32)] * len(leaves)
   for group in _partition(leaves):
     members = [leaves[i] for i in group]
     if _in_place(members):
       flags = ~jnp.isfinite(unscale(members[0]))
-      per_group.append(jnp.sum(flags, dtype=jnp.int32).reshape(1))
+      per_leaf = [jnp.sum(flags, dtype=jnp.int32)]
     else:
-      per_group.append(_counts_in_rows(members, unscale))
-    order += group
-  if not per_group:
-    return jnp.zeros((0,), jnp.int32)
-  return jnp.concatenate(per_group)[np.argsort(order)]
+      per_leaf = _counts_together(members, unscale)
+    for i, count in zip(group, per_leaf, strict=True):
+      counts[i] = count
+  return counts
 
 
-# Small leaves are counted in rows of this many elements.
-_COUNT_ROW = 128
-
-
-def _counts_in_rows(
+def _counts_together(
   members: list[jax.Array], unscale: Callable[[jax.Array], jax.Array]
-) -> jax.Array:
+) -> list[jax.Array]:
   """The non-finite counts of small leaves of one dtype, in a few kernels.
 
-  Each leaf is laid out in whole rows (padded with zeros, which are finite),
-  the rows are counted by one reduction, and each leaf's rows are summed by
-  a second, masked one over (leaf, row): exact, and with buffers of about
-  the size of the leaves.
+  Leaves of one size are stacked and counted by one reduction per size;
+  the rest are concatenated and counted by one segment sum, whose segment
+  ids (int8: at most _CONCAT leaves) come from an iota. Each is exact, and
+  needs buffers of about the size of the leaves.
   """
-  rows_of = [-(-x.size // _COUNT_ROW) for x in members]
-  parts = []
-  for x, n_rows in zip(members, rows_of, strict=True):
-    parts.append(x.ravel())
-    if n_rows * _COUNT_ROW > x.size:
-      parts.append(jnp.zeros(n_rows * _COUNT_ROW - x.size, x.dtype))
-  rows = unscale(jnp.concatenate(parts)).reshape(-1, _COUNT_ROW)
-  row_counts = jnp.sum(~jnp.isfinite(rows), axis=1, dtype=jnp.int32)
-  ends = np.cumsum(rows_of)
-  starts = ends - np.asarray(rows_of)
-  row = lax.broadcasted_iota(jnp.int32, (len(members), rows.shape[0]), 1)
-  mine = (row >= starts[:, None]) & (row < ends[:, None])
-  counts: jax.Array = jnp.sum(
-    jnp.where(mine, row_counts[None, :], 0), axis=1, dtype=jnp.int32
-  )
+  by_size: dict[int, list[int]] = {}
+  for j, x in enumerate(members):
+    by_size.setdefault(x.size, []).append(j)
+  counts: list[jax.Array] = [jnp.zeros((), jnp.int32)] * len(members)
+  alone = [js[0] for js in by_size.values() if len(js) == 1]
+  for js in by_size.values():
+    if len(js) > 1:
+      rows = unscale(jnp.stack([members[j].ravel() for j in js]))
+      sums = jnp.sum(~jnp.isfinite(rows), axis=1, dtype=jnp.int32)
+      for k, j in enumerate(js):
+        counts[j] = sums[k]
+  if alone:
+    flat = unscale(jnp.concatenate([members[j].ravel() for j in alone]))
+    flags = (~jnp.isfinite(flat)).astype(jnp.int32)
+    index = lax.iota(jnp.int32, flat.size)
+    ids = jnp.zeros(flat.size, jnp.int8)
+    for end in np.cumsum([members[j].size for j in alone])[:-1]:
+      ids += (index >= int(end)).astype(jnp.int8)
+    sums = jax.ops.segment_sum(
+      flags, ids, num_segments=len(alone), indices_are_sorted=True
+    )
+    for k, j in enumerate(alone):
+      counts[j] = sums[k]
   return counts
 
 

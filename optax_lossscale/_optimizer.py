@@ -280,7 +280,7 @@ class LossScaleOptimizer:
     """
     zero = lambda: jnp.zeros((), jnp.int32)  # noqa: E731
     names = tuple(
-      jax.tree_util.keystr(path)
+      jax.tree_util.keystr(path) or "<root>"
       for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]
     )
     no = lambda: jnp.array(False)  # noqa: E731
@@ -646,7 +646,8 @@ class LossScaleOptimizer:
   def _counts(self, grads: Any, loss_scale: LossScale, slots: int) -> Any:
     """Each gradient leaf's count of non-finite unscaled values (int32s).
 
-    A state from `init(None)` has no slot: its records name no leaf.
+    A state whose parameters had no leaf (`init(None)`) has no slot: its
+    records name no leaf.
     """
     flat = jax.tree.leaves(grads)
     if slots == 0:
@@ -661,11 +662,10 @@ class LossScaleOptimizer:
     counts = _numerics.nonfinite_counts(
       [flat[i] for i in counted], loss_scale.unscale
     )
-    if len(counted) < len(flat):  # float0 gradients count nothing
-      counts = (
-        jnp.zeros(len(flat), jnp.int32).at[np.asarray(counted)].set(counts)
-      )
-    return counts
+    per_leaf = [jnp.zeros((), jnp.int32)] * len(flat)  # float0 counts nothing
+    for i, count in zip(counted, counts, strict=True):
+      per_leaf[i] = count
+    return jnp.stack(per_leaf)
 
   def _record(
     self, grads: Any, state: LossScaleOptimizerState, decision: Decision

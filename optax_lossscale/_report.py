@@ -96,7 +96,12 @@ class ConsecutiveSkipsError(RuntimeError):
   """Raised by `SkipMonitor` when `max_consecutive_skips` is reached."""
 
 
-def stop_message(report: SkipReport, limit: int, at_floor: bool) -> str:
+ConsecutiveSkipsError.__module__ = "optax_lossscale"
+
+
+def stop_message(
+  report: SkipReport, limit: int, at_floor: bool, member: str = ""
+) -> str:
   """The stop rule's message: what happened and the likely fix."""
   floor = (
     "at its floor (min_loss_scale): it cannot go lower"
@@ -110,9 +115,10 @@ def stop_message(report: SkipReport, limit: int, at_floor: bool) -> str:
     " loss scale can fix that.",
   }[report.loss_finite]
   return (
-    f"LossScaleOptimizer: {report.consecutive_skipped_steps} consecutive"
-    f" steps skipped (max_consecutive_skips={limit}); training has stopped"
-    f" making progress. The loss scale is {report.loss_scale:g}, {floor}."
+    f"LossScaleOptimizer{member}: {report.consecutive_skipped_steps}"
+    f" consecutive steps skipped (max_consecutive_skips={limit}); training"
+    f" has stopped making progress. The loss scale is {report.loss_scale:g},"
+    f" {floor}."
     f" {loss} Leaves with non-finite gradients: {_leaves(report)}. Likely"
     " fix: check the inputs and the learning rate (a diverging run overflows"
     " at any scale); or lower min_loss_scale; or compute the layers named"
@@ -120,9 +126,13 @@ def stop_message(report: SkipReport, limit: int, at_floor: bool) -> str:
   )
 
 
-def _scalar(x: Any) -> Any:
-  """A replicated scalar on the host; of a stacked one, replica 0's."""
-  return np.asarray(first_copy(x)).reshape(-1)[0]
+def _members(x: Any) -> np.ndarray:
+  """A stacked scalar field on the host, one element per replica or member.
+
+  A replicated array of a multi-process run is read from this process's
+  copy; one that is not stacked has one member.
+  """
+  return np.asarray(first_copy(x)).reshape(-1)
 
 
 def _optimizer_state(call: str, opt_state: Any) -> LossScaleOptimizerState:
@@ -136,26 +146,44 @@ def _optimizer_state(call: str, opt_state: Any) -> LossScaleOptimizerState:
   return state
 
 
-def _report_of(record: SkipRecord) -> SkipReport | None:
-  skipped = int(_scalar(record.skipped_steps))
+def _report_of(record: SkipRecord, member: int) -> SkipReport | None:
+  """The record of one replica or `vmap` member, or None before a skip."""
+  skipped = int(_members(record.skipped_steps)[member])
   if skipped == 0:
     return None
   names = record.names()
-  counts = np.asarray(first_copy(record.nonfinite)).reshape(-1)[: len(names)]
+  members = _members(record.skipped_steps).size
+  counts = np.asarray(first_copy(record.nonfinite)).reshape(members, -1)
+  loss_given = bool(_members(record.loss_given)[member])
   return SkipReport(
-    loss_scale=float(_scalar(record.loss_scale)),
-    next_loss_scale=float(_scalar(record.next_loss_scale)),
+    loss_scale=float(_members(record.loss_scale)[member]),
+    next_loss_scale=float(_members(record.next_loss_scale)[member]),
     skipped_steps=skipped,
-    consecutive_skipped_steps=int(_scalar(record.consecutive_skipped_steps)),
+    consecutive_skipped_steps=int(
+      _members(record.consecutive_skipped_steps)[member]
+    ),
     loss_finite=(
-      bool(_scalar(record.loss_finite))
-      if bool(_scalar(record.loss_given))
-      else None
+      bool(_members(record.loss_finite)[member]) if loss_given else None
     ),
     nonfinite={
-      name: int(n) for name, n in zip(names, counts, strict=True) if n > 0
+      name: int(n)
+      for name, n in zip(names, counts[member], strict=True)
+      if n > 0
     },
   )
+
+
+def _agreeing(state: LossScaleOptimizerState) -> bool:
+  """Whether the replicas (or members) of a stacked state agree."""
+  fields = [state.skipped_steps, state.consecutive_skipped_steps]
+  if state.last_skip is not None:
+    fields += [state.last_skip.nonfinite, state.last_skip.loss_scale]
+  for field in fields:
+    values = np.asarray(first_copy(field))
+    flat = values.reshape(_members(state.skipped_steps).size, -1)
+    if not (flat == flat[:1]).all():
+      return False
+  return True
 
 
 def skip_report(opt_state: Any) -> SkipReport | None:
@@ -165,8 +193,10 @@ def skip_report(opt_state: Any) -> SkipReport | None:
   its state, wherever the state is nested (`optax.chain`, a linen
   `TrainState`, an `nnx.Optimizer`'s `opt_state`). It waits for the step
   that produced the state: call it at your logging cadence, not every step.
-  A `pmap`-stacked state is read from replica 0 (replicas agree); for a
-  `vmap` ensemble, pass one member (`jax.tree.map(lambda x: x[i], state)`).
+  A `pmap`-stacked state is read from replica 0 (replicas agree); the
+  members of a `vmap` ensemble differ, so pass one member
+  (`jax.tree.map(lambda x: x[i], state)`), or use a `SkipMonitor`, which
+  watches them all.
 
   Args:
     opt_state: an optimizer state holding one `LossScaleOptimizerState`.
@@ -176,7 +206,8 @@ def skip_report(opt_state: Any) -> SkipReport | None:
     from a checkpoint written before records existed).
 
   Raises:
-    ValueError: if the state holds no `LossScaleOptimizerState`, or several.
+    ValueError: if the state holds no `LossScaleOptimizerState`, or several,
+      or is stacked over members whose records differ.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -191,8 +222,16 @@ def skip_report(opt_state: Any) -> SkipReport | None:
     >>> print(ols.format_skip(ols.skip_report(state)))
     skipped step (1 in a row, 1 in all): loss scale 32768 -> 16384; no loss given; non-finite gradients: ['w'] (1)
   """
-  record = _optimizer_state("skip_report", opt_state).last_skip
-  return None if record is None else _report_of(record)
+  state = _optimizer_state("skip_report", opt_state)
+  if not _agreeing(state):
+    raise ValueError(
+      "`skip_report(opt_state)`: the state is stacked over"
+      f" {_members(state.skipped_steps).size} members whose records differ"
+      " (a `vmap` ensemble); pass one member, `jax.tree.map(lambda x: x[i],"
+      " opt_state)`, or watch them all with a SkipMonitor."
+    )
+  record = state.last_skip
+  return None if record is None else _report_of(record, 0)
 
 
 class SkipMonitor:
@@ -238,7 +277,7 @@ class SkipMonitor:
     >>> monitor(state)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    optax_lossscale._report.ConsecutiveSkipsError: LossScaleOptimizer: 2 consecutive steps skipped (max_consecutive_skips=2); ...
+    optax_lossscale.ConsecutiveSkipsError: LossScaleOptimizer: 2 consecutive steps skipped (max_consecutive_skips=2); ...
   """
 
   def __init__(
@@ -259,7 +298,7 @@ class SkipMonitor:
       )
     self.max_consecutive_skips = max_consecutive_skips
     self.log = log
-    self._seen = 0
+    self._seen: np.ndarray | None = None
 
   def __repr__(self) -> str:
     return (
@@ -272,30 +311,71 @@ class SkipMonitor:
 
     Args:
       opt_state: an optimizer state holding one `LossScaleOptimizerState`.
+        A state stacked over `pmap` replicas (which agree) is read once; one
+        stacked over the members of a `vmap` ensemble is watched member by
+        member, and each member's new skip is logged.
 
     Returns:
       The last `SkipReport` if steps were skipped since the previous call
-      (or, on the first call, ever), else None.
+      (or, on the first call, ever), else None. For an ensemble, that of the
+      member with the most consecutive skips among those that skipped.
 
     Raises:
       ConsecutiveSkipsError: if the state's `consecutive_skipped_steps` has
-        reached `max_consecutive_skips`. Its message names the count, the
-        scale and whether it sits at its floor, whether the loss was finite,
-        the leaves with non-finite gradients and the likely fix.
+        reached `max_consecutive_skips` (in any member). Its message names
+        the count, the scale and whether it sits at its floor, whether the
+        loss was finite, the leaves with non-finite gradients and the likely
+        fix.
     """
     state = _optimizer_state("SkipMonitor", opt_state)
-    skipped = int(_scalar(state.skipped_steps))
-    new_skips, self._seen = skipped > self._seen, skipped
-    record = state.last_skip
-    report = None if record is None else _report_of(record)
-    if report is None:
-      return None
-    if new_skips and self.log is not None:
-      self.log(report)
+    skipped = _members(state.skipped_steps)
+    consecutive = _members(state.consecutive_skipped_steps)
+    if _agreeing(state):
+      skipped, consecutive = skipped[:1], consecutive[:1]
+    seen = self._seen
+    if seen is None or seen.shape != skipped.shape:
+      seen = np.zeros_like(skipped)
+    # A count that went down (a restored checkpoint) is news too.
+    new = np.flatnonzero(skipped != seen)
+    self._seen = skipped.copy()
+    reports = {
+      int(m): _report_of(state.last_skip, int(m))
+      if state.last_skip is not None
+      else _counters_only(state, int(m))
+      for m in range(skipped.size)
+      if m in new or consecutive[m] > 0
+    }
+    if self.log is not None:
+      for m in new:
+        report = reports[int(m)]
+        if report is not None:
+          self.log(report)
     limit = self.max_consecutive_skips
-    consecutive = int(_scalar(state.consecutive_skipped_steps))
-    if limit is not None and consecutive >= limit:
-      assert record is not None
-      at_floor = bool(_scalar(record.at_floor))
-      raise ConsecutiveSkipsError(stop_message(report, limit, at_floor))
-    return report if new_skips else None
+    worst = int(np.argmax(consecutive))
+    if limit is not None and consecutive[worst] >= limit:
+      report = reports[worst]
+      assert report is not None  # it skipped, so its record is written
+      at_floor = False
+      if state.last_skip is not None:
+        at_floor = bool(_members(state.last_skip.at_floor)[worst])
+      member = f" (member {worst})" if skipped.size > 1 else ""
+      raise ConsecutiveSkipsError(stop_message(report, limit, at_floor, member))
+    if not new.size:
+      return None
+    latest = max(new, key=lambda m: consecutive[m])
+    return reports[int(latest)]
+
+
+def _counters_only(state: LossScaleOptimizerState, member: int) -> SkipReport:
+  """What a state without a record (restored from 0.1.0) can tell."""
+  scale = float(_members(state.loss_scale())[member])
+  return SkipReport(
+    loss_scale=scale,
+    next_loss_scale=scale,
+    skipped_steps=int(_members(state.skipped_steps)[member]),
+    consecutive_skipped_steps=int(
+      _members(state.consecutive_skipped_steps)[member]
+    ),
+    loss_finite=None,
+    nonfinite={},
+  )

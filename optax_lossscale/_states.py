@@ -79,8 +79,8 @@ class SkipRecord:
       global array under sharded `jit`, the largest over the replicas of
       `axis_name`.
     leaf_names: the leaves' names, `jax.tree_util.keystr` of their paths in
-      the parameters `init` was given, as UTF-8 bytes joined by newlines
-      (uint8); `names()` decodes them.
+      the parameters `init` was given (`<root>` for a bare array), as UTF-8
+      bytes, each name ended by a newline (uint8); `names()` decodes them.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -107,14 +107,16 @@ class SkipRecord:
 
   @staticmethod
   def encode_names(names: Sequence[str]) -> np.ndarray:
-    """`names` as the uint8 array `leaf_names` holds."""
-    return np.frombuffer("\n".join(names).encode(), np.uint8)
+    """`names` as the uint8 array `leaf_names` holds: each ends in a newline."""
+    text = "".join(f"{name}\n" for name in names)
+    return np.frombuffer(text.encode(), np.uint8)
 
   def names(self) -> tuple[str, ...]:
     """The leaves' names, decoded on the host (replica or member 0)."""
     raw = np.asarray(first_copy(self.leaf_names))
-    text = raw.reshape(-1, raw.shape[-1] if raw.ndim else 0)[:1].tobytes()
-    return tuple(text.decode().split("\n")) if text else ()
+    width = raw.shape[-1] if raw.ndim else 0
+    text = raw.reshape(-1, width)[:1].tobytes().decode() if raw.size else ""
+    return tuple(text.split("\n")[:-1])
 
 
 class LossScaleOptimizerState(NamedTuple):

@@ -450,3 +450,47 @@ def test_skip_monitor_says_when_the_loss_itself_was_not_finite():
   )
   with pytest.raises(ols.ConsecutiveSkipsError, match="NOT finite"):
     ols.SkipMonitor(max_consecutive_skips=1)(state)
+
+
+def test_skip_record_names_a_bare_array_and_a_state_without_params():
+  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale())
+  params = jnp.zeros(3)
+  _, state = tx.update(jnp.array([1.0, jnp.nan, 1.0]), tx.init(params), params)
+  assert ols.skip_report(state).nonfinite == {"<root>": 1}
+  assert ols.SkipMonitor(log=None)(state).nonfinite == {"<root>": 1}
+  tx = ols.LossScaleOptimizer(optax.identity(), ols.DynamicLossScale())
+  _, state = tx.update({"w": jnp.array([jnp.nan])}, tx.init(None))
+  assert ols.skip_report(state).nonfinite == {}  # no leaf to name
+
+
+def test_all_float0_gradients_step():
+  tx = ols.LossScaleOptimizer(optax.identity(), ols.DynamicLossScale(4.0))
+  params = {"n": jnp.arange(3)}
+  grads = jax.grad(lambda p: jnp.float32(1.0), allow_int=True)(params)
+  _, state = jax.jit(tx.update)(grads, tx.init(params), params)
+  assert bool(state.should_apply)
+
+
+def test_skip_monitor_logs_again_after_a_restore_to_fewer_skips():
+  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.FixedLossScale(2))
+  params = {"w": jnp.ones(2)}
+  bad = {"w": jnp.array([jnp.nan, 1.0])}
+  monitor = ols.SkipMonitor(log=None)
+  early = tx.update(bad, tx.init(params), params)[1]
+  late = tx.update(bad, tx.update(bad, early, params)[1], params)[1]
+  assert monitor(late).skipped_steps == 3
+  restored = early  # an earlier checkpoint: its count is lower
+  after = tx.update(bad, restored, params)[1]
+  assert monitor(after).skipped_steps == 2  # news, though 2 < 3
+
+
+def test_skip_monitor_stops_a_state_without_a_record():
+  # A 0.1.0 state stepped without a record: the counters still stop it.
+  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale(8.0))
+  params = {"w": jnp.ones(2)}
+  state = tx.init(params)._replace(last_skip=None)
+  for _ in range(3):
+    _, state = tx.update({"w": jnp.array([jnp.nan, 1.0])}, state, params)
+  assert state.last_skip is None
+  with pytest.raises(ols.ConsecutiveSkipsError, match="3 consecutive"):
+    ols.SkipMonitor(max_consecutive_skips=2, log=None)(state)

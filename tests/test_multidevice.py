@@ -56,6 +56,7 @@ def test_sharded_meshes(axes):
         "sharded_jit",
         "sharded_leaves_are_checked_in_place",
         "orbax_sharded_state",
+        "vmap_members_sharded",
       ]
     )
   )

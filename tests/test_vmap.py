@@ -123,3 +123,26 @@ def test_vmap_step_has_no_callback_and_records_only_skipping_members(
   reports = [ols.skip_report(_member(state, i)) for i in range(MEMBERS)]
   assert reports[2].nonfinite == {"['w']": 1}
   assert reports[:2] == [None, None] and reports[3] is None
+
+
+def test_skip_monitor_watches_every_member_of_an_ensemble(
+  standard_promotion, caplog
+):
+  tx = _tx()
+  params = _params()
+  state = jax.vmap(tx.init)(params)
+  step = jax.jit(jax.vmap(tx.apply_gradients))
+  monitor = ols.SkipMonitor(max_consecutive_skips=3)
+  grads = jax.tree.map(jnp.ones_like, params)
+  grads["w"] = grads["w"].at[3, 0, 0].set(jnp.nan)  # member 3 only
+  with caplog.at_level("WARNING", logger="optax_lossscale"):
+    for t in range(2):
+      params, state = step(grads, state, params)
+      assert monitor(state).consecutive_skipped_steps == t + 1
+  assert caplog.text.count("skipped step") == 2
+  with pytest.raises(ValueError, match="members whose records differ"):
+    ols.skip_report(state)
+  assert ols.skip_report(_member(state, 3)).nonfinite == {"['w']": 1}
+  params, state = step(grads, state, params)
+  with pytest.raises(ols.ConsecutiveSkipsError, match=r"\(member 3\): 3"):
+    monitor(state)
