@@ -68,6 +68,12 @@ class NoOpLossScale:
     return self
 
 
+def _times(tree: T, factor: Any) -> T:
+  """Every leaf of `tree` times `factor`, with JAX's promotion, as in jmp."""
+  result: T = jax.tree.map(lambda x: x * factor, tree)
+  return result
+
+
 @dataclasses.dataclass(frozen=True)
 class StaticLossScale:
   """Scales and unscales by a constant: jmp's `StaticLossScale`.
@@ -93,14 +99,11 @@ class StaticLossScale:
 
   def scale(self, tree: T) -> T:
     """Multiplies every leaf of `tree` by the scale."""
-    result: T = jax.tree.map(lambda x: x * self.loss_scale, tree)
-    return result
+    return _times(tree, self.loss_scale)
 
   def unscale(self, tree: T) -> T:
     """Multiplies every leaf of `tree` by the reciprocal of the scale."""
-    inverse = 1 / self.loss_scale
-    result: T = jax.tree.map(lambda x: x * inverse, tree)
-    return result
+    return _times(tree, 1 / self.loss_scale)
 
   def adjust(self, grads_finite: Any) -> StaticLossScale:
     """Returns this loss scale."""
@@ -231,14 +234,11 @@ class DynamicLossScale:
 
   def scale(self, tree: T) -> T:
     """Multiplies every leaf of `tree` by the scale."""
-    result: T = jax.tree.map(lambda x: x * self.loss_scale, tree)
-    return result
+    return _times(tree, self.loss_scale)
 
   def unscale(self, tree: T) -> T:
     """Multiplies every leaf of `tree` by the reciprocal of the scale."""
-    inverse = 1 / self.loss_scale
-    result: T = jax.tree.map(lambda x: x * inverse, tree)
-    return result
+    return _times(tree, 1 / self.loss_scale)
 
   def _backed_off(self) -> Any:
     if _is_python_number(self.loss_scale) and _is_python_number(self.factor):

@@ -741,13 +741,18 @@ def _loss_fn(policy, params, x, y):
   return jnp.mean((out - y) ** 2)
 
 
-def _jmp_program(jmp):
+def _optimizer():
+  return optax.sgd(0.05, momentum=0.9)
+
+
+def _jmp_run(jmp, steps, params=None, opt_state=None, loss_scale=None):
   """A complete jmp training program, as jmp's README writes it."""
   policy = jmp.get_policy("p=f32,c=f16,o=f32")
-  opt = optax.sgd(0.05, momentum=0.9)
-  params = policy.cast_to_param(_init_params())
-  opt_state = opt.init(params)
-  loss_scale = jmp.DynamicLossScale(jnp.float32(2.0**24), period=5)
+  opt = _optimizer()
+  if params is None:
+    params = policy.cast_to_param(_init_params())
+    opt_state = opt.init(params)
+    loss_scale = jmp.DynamicLossScale(jnp.float32(2.0**24), period=5)
 
   @jax.jit
   def train_step(params, opt_state, loss_scale, x, y):
@@ -766,22 +771,17 @@ def _jmp_program(jmp):
     return params, opt_state, loss_scale
 
   scales = []
-  for _ in range(STEPS):
+  for _ in range(steps):
     params, opt_state, loss_scale = train_step(
       params, opt_state, loss_scale, X, Y
     )
     scales.append(float(loss_scale.loss_scale))
-  return params, scales
+  return params, opt_state, loss_scale, scales
 
 
-def _ported_program():
+def _ported_run(tx, params, opt_state, steps):
   """The same program on `LossScaleOptimizer`."""
   policy = jmp.get_policy("p=f32,c=f16,o=f32")
-  tx = ols.LossScaleOptimizer(
-    optax.sgd(0.05, momentum=0.9), ols.DynamicLossScale(2.0**24, 5)
-  )
-  params = policy.cast_to_param(_init_params())
-  opt_state = tx.init(params)
 
   @jax.jit
   def train_step(params, opt_state, x, y):
@@ -790,29 +790,44 @@ def _ported_program():
     return tx.apply_gradients(grads, opt_state, params)
 
   scales = []
-  for _ in range(STEPS):
+  for _ in range(steps):
     params, opt_state = train_step(params, opt_state, X, Y)
     scales.append(float(ols.get_loss_scale(opt_state)()))
-  return params, scales, int(opt_state.skipped_steps)
+  return params, opt_state, scales
 
 
 def test_a_jmp_program_reaches_the_same_parameters_swapped_and_ported(
   standard_promotion,
 ):
   del standard_promotion  # optax's momentum
-  params, scales = _jmp_program(jmp)
-  ported, ported_scales, skipped = _ported_program()
-  assert skipped > 0 and scales == ported_scales
+  params, _, _, scales = _jmp_run(jmp, STEPS)
+  tx = ols.LossScaleOptimizer(_optimizer(), ols.DynamicLossScale(2.0**24, 5))
+  start = _init_params()
+  ported, state, ported_scales = _ported_run(tx, start, tx.init(start), STEPS)
+  assert int(state.skipped_steps) > 0 and scales == ported_scales
   assert scales[-1] < 2.0**24
   chex.assert_trees_all_close(params, ported, rtol=1e-6, atol=1e-7)
-  assert float(_loss_fn(jmp.get_policy("full"), params, X, Y)) < float(
-    _loss_fn(jmp.get_policy("full"), _init_params(), X, Y)
-  )
+  full = jmp.get_policy("full")
+  assert _loss_fn(full, params, X, Y) < _loss_fn(full, start, X, Y)
+
+
+def test_a_jmp_run_resumes_under_loss_scale_optimizer(standard_promotion):
+  del standard_promotion
+  params, opt_state, loss_scale, scales = _jmp_run(jmp, STEPS // 2)
+  # The checkpoint: jmp's arrays, as a restore gives them back.
+  loss_scale = jax.tree.map(np.asarray, loss_scale)
+  tx = ols.LossScaleOptimizer(_optimizer(), jmp.to_loss_scale(loss_scale))
+  state = tx.init(params)._replace(inner_state=opt_state)
+  resumed, state, more = _ported_run(tx, params, state, STEPS - STEPS // 2)
+  expected, _, _, all_scales = _jmp_run(jmp, STEPS)
+  assert scales + more == all_scales
+  assert len(set(more)) > 1  # the scale moves after the resume
+  chex.assert_trees_all_close(resumed, expected, rtol=1e-6, atol=1e-7)
 
 
 def test_the_program_matches_the_installed_jmp(real_jmp):
-  params, scales = _jmp_program(jmp)
-  theirs, their_scales = _jmp_program(real_jmp)
+  params, _, _, scales = _jmp_run(jmp, STEPS)
+  theirs, _, _, their_scales = _jmp_run(real_jmp, STEPS)
   assert scales == their_scales
   chex.assert_trees_all_close(params, theirs, rtol=1e-6, atol=1e-7)
 
