@@ -30,22 +30,10 @@ from typing import Any, Self
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from optax_lossscale import _numerics, _validation
 
 __all__ = ["DynamicLossScale", "FixedLossScale", "LossScale", "NoOpLossScale"]
-
-
-def _exact_div(x: jax.Array, divisor: jax.Array | float) -> jax.Array:
-  """`x / divisor` for scalars, correctly rounded.
-
-  XLA rewrites a division by a compile-time constant into a multiplication by
-  its reciprocal, which differs from IEEE division in the last bit for divisors
-  such as 3 or 10. The barrier hides the constant, so the division stays one.
-  """
-  hidden: jax.Array = lax.optimization_barrier(jnp.asarray(divisor, x.dtype))
-  return x / hidden
 
 
 def _compute_dtype(dtype: Any) -> Any:
@@ -227,7 +215,7 @@ class LossScale(abc.ABC):
     def div(x: jax.Array) -> jax.Array:
       ct = _compute_dtype(x.dtype)
       if ct not in inverses:
-        inverses[ct] = _exact_div(jnp.ones((), ct), s.astype(ct))
+        inverses[ct] = _numerics.exact_div(jnp.ones((), ct), s.astype(ct))
       return (x.astype(ct) * inverses[ct]).astype(x.dtype)
 
     return _map_arrays(div, tree, "unscale")
@@ -649,7 +637,7 @@ class DynamicLossScale(LossScale):
     """The scale divided by `multiplier`, floored: TensorFlow's backoff."""
     scale = jnp.asarray(self.current_loss_scale)
     return jnp.maximum(
-      _exact_div(scale, jnp.float32(self.multiplier)),
+      _numerics.exact_div(scale, jnp.float32(self.multiplier)),
       jnp.float32(self.min_loss_scale),
     )
 
