@@ -189,8 +189,9 @@ class LossScaleOptimizer:
 
   A skipped step also writes a `SkipRecord` into the state (`last_skip`:
   the scales, whether the loss was finite, per-leaf counts of non-finite
-  unscaled gradients), computed in the skip branch only; nothing in the step
-  calls the host. Read it at your logging cadence with `skip_report` or a
+  unscaled gradients), computed in the skip branch only (under `vmap`, where
+  the `cond` becomes a select, on every step); nothing in the step calls the
+  host. Read it at your logging cadence with `skip_report` or a
   `SkipMonitor`, which also stops a run that skips too many steps in a row.
 
   Use an instance wherever Optax transformations are duck-typed (flax

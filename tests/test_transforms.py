@@ -428,12 +428,18 @@ def test_optax_tree_helpers_on_the_state():
   state = tx.init(params)
   loss_scale = optax.tree.get(state, "loss_scale")
   assert isinstance(loss_scale, ols.DynamicLossScale)
+  grads = jax.tree.map(lambda p: jnp.ones_like(p) * 16.0, params)
+  _, state = tx.update(grads, state, params)  # moments become non-zero
+  bad = jax.tree.map(lambda g: g * jnp.nan, grads)
+  _, state = tx.update(bad, state, params)  # and a skip is recorded
   doubled = optax.tree.map_params(tx.init, lambda p: p * 2, state)
   assert type(doubled) is ols.LossScaleOptimizerState
-  assert float(doubled.loss_scale()) == 16.0  # not a parameter: untouched
+  assert float(doubled.loss_scale()) == 8.0  # not a parameter: untouched
   chex.assert_trees_all_equal(
-    doubled.inner_state[0].mu, jax.tree.map(jnp.zeros_like, params)
+    doubled.inner_state[0].mu,
+    jax.tree.map(lambda m: m * 2, state.inner_state[0].mu),
   )
+  chex.assert_trees_all_equal(doubled.last_skip, state.last_skip)
 
 
 def test_jaxpr_has_one_cond_and_no_select_over_arrays():
