@@ -289,13 +289,44 @@ def nonfinite_counts(
   for group in _partition(leaves):
     members = [leaves[i] for i in group]
     if _in_place(members):
-      flags = ~jnp.isfinite(unscale(members[0]))
-      per_leaf = [jnp.sum(flags, dtype=jnp.int32)]
+      per_leaf = [_count_in_place(members[0], unscale)]
     else:
       per_leaf = _counts_together(members, unscale)
     for i, count in zip(group, per_leaf, strict=True):
       counts[i] = count
   return counts
+
+
+# A large leaf that is whole on each device is counted in chunks of this
+# many elements: XLA's CPU backend writes out the flags of a counted array
+# (it fuses no compare into a reduction), so whole leaves would need buffers
+# of their size.
+_COUNT_CHUNK = 2**16
+
+
+def _count_in_place(
+  x: jax.Array, unscale: Callable[[jax.Array], jax.Array]
+) -> jax.Array:
+  """The non-finite count of one large or sharded leaf, read where it is."""
+  if not _is_whole(x) or x.size <= _COUNT_CHUNK:
+    # A sharded leaf is counted where it lives (each device its block).
+    return jnp.sum(~jnp.isfinite(unscale(x)), dtype=jnp.int32)
+  flat = x.ravel()
+  chunks, tail = divmod(flat.size, _COUNT_CHUNK)
+
+  def count(start: Any, size: int) -> jax.Array:
+    piece = lax.dynamic_slice_in_dim(flat, start, size)
+    return jnp.sum(~jnp.isfinite(unscale(piece)), dtype=jnp.int32)
+
+  total = lax.fori_loop(
+    0,
+    chunks,
+    lambda i, n: n + count(i * _COUNT_CHUNK, _COUNT_CHUNK),
+    jnp.zeros((), jnp.int32),
+  )
+  if tail:
+    total += count(chunks * _COUNT_CHUNK, tail)
+  return total
 
 
 def _counts_together(

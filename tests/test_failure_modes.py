@@ -494,3 +494,31 @@ def test_skip_monitor_stops_a_state_without_a_record():
   assert state.last_skip is None
   with pytest.raises(ols.ConsecutiveSkipsError, match="3 consecutive"):
     ols.SkipMonitor(max_consecutive_skips=2, log=None)(state)
+
+
+def test_skip_records_of_large_leaves_need_no_buffer_of_their_size():
+  # Large leaves are counted in chunks: the skip branch needs no temporary
+  # buffer of the gradients' size (XLA's CPU backend writes out the flags of
+  # a counted array).
+  params = {f"p{i}": jnp.zeros(300_000) for i in range(4)}
+  tx = ols.LossScaleOptimizer(optax.adam(0.1), ols.DynamicLossScale())
+
+  def temp(state):
+    compiled = (
+      jax.jit(tx.apply_gradients, donate_argnums=(1, 2))
+      .lower(params, state, params)
+      .compile()
+    )
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  state = tx.init(params)
+  assert temp(state) <= temp(state._replace(last_skip=None)) + 2**20
+  grads = {k: v.at[12_345 * int(k[1])].set(jnp.nan) for k, v in params.items()}
+  grads["p3"] = grads["p3"].at[-1].set(jnp.inf)  # in the tail
+  _, state = jax.jit(tx.apply_gradients)(grads, state, params)
+  assert ols.skip_report(state).nonfinite == {
+    "['p0']": 1,
+    "['p1']": 1,
+    "['p2']": 1,
+    "['p3']": 2,
+  }
