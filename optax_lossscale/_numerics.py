@@ -318,7 +318,7 @@ def _count_in_place(
     piece = lax.dynamic_slice_in_dim(flat, start, size)
     return jnp.sum(~jnp.isfinite(unscale(piece)), dtype=jnp.int32)
 
-  total = lax.fori_loop(
+  total: jax.Array = lax.fori_loop(
     0,
     chunks,
     lambda i, n: n + count(i * _COUNT_CHUNK, _COUNT_CHUNK),
