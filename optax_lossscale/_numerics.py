@@ -286,47 +286,60 @@ def nonfinite_counts(
   `cond` over a sharded member axis refuses them).
   """
   counts: list[jax.Array] = [jnp.zeros((), jnp.int32)] * len(leaves)
+  whole: dict[Any, list[int]] = {}
   for group in _partition(leaves):
     members = [leaves[i] for i in group]
-    if _in_place(members):
-      per_leaf = [_count_in_place(members[0], unscale)]
-    else:
+    if not _in_place(members):
       per_leaf = _counts_together(members, unscale)
+    elif _is_whole(members[0]):
+      # Counted below, with the whole leaves of the same size.
+      whole.setdefault((members[0].dtype, members[0].size), []).extend(group)
+      continue
+    else:  # a sharded leaf, counted where it lives (each device its block)
+      per_leaf = [jnp.sum(~jnp.isfinite(unscale(members[0])), dtype=jnp.int32)]
     for i, count in zip(group, per_leaf, strict=True):
       counts[i] = count
+  for same in whole.values():
+    for start in range(0, len(same), _CONCAT):
+      group = same[start : start + _CONCAT]
+      per_leaf = _count_in_chunks([leaves[i] for i in group], unscale)
+      for i, count in zip(group, per_leaf, strict=True):
+        counts[i] = count
   return counts
 
 
-# A large leaf that is whole on each device is counted in chunks of this
-# many elements: XLA's CPU backend writes out the flags of a counted array
-# (it fuses no compare into a reduction), so whole leaves would need buffers
-# of their size.
-_COUNT_CHUNK = 2**16
+# Large leaves that are whole on each device are counted in chunks of this
+# many elements, all leaves of one size in one loop: XLA's CPU backend writes
+# out the flags of a counted array (it fuses no compare into a reduction), so
+# counting whole leaves would need buffers of the gradients' size.
+_COUNT_CHUNK = 2**11
 
 
-def _count_in_place(
-  x: jax.Array, unscale: Callable[[jax.Array], jax.Array]
-) -> jax.Array:
-  """The non-finite count of one large or sharded leaf, read where it is."""
-  if not _is_whole(x) or x.size <= _COUNT_CHUNK:
-    # A sharded leaf is counted where it lives (each device its block).
-    return jnp.sum(~jnp.isfinite(unscale(x)), dtype=jnp.int32)
-  flat = x.ravel()
-  chunks, tail = divmod(flat.size, _COUNT_CHUNK)
+def _count_in_chunks(
+  members: list[jax.Array], unscale: Callable[[jax.Array], jax.Array]
+) -> list[jax.Array]:
+  """The non-finite counts of whole leaves of one size, chunk by chunk."""
+  flats = [x.ravel() for x in members]
+  size = flats[0].size
+  chunks, tail = divmod(size, _COUNT_CHUNK)
 
-  def count(start: Any, size: int) -> jax.Array:
-    piece = lax.dynamic_slice_in_dim(flat, start, size)
-    return jnp.sum(~jnp.isfinite(unscale(piece)), dtype=jnp.int32)
+  def count(start: Any, length: int) -> jax.Array:
+    pieces = [lax.dynamic_slice_in_dim(f, start, length) for f in flats]
+    flags = ~jnp.isfinite(unscale(jnp.stack(pieces)))
+    counted: jax.Array = jnp.sum(flags, axis=1, dtype=jnp.int32)
+    return counted
 
-  total: jax.Array = lax.fori_loop(
-    0,
-    chunks,
-    lambda i, n: n + count(i * _COUNT_CHUNK, _COUNT_CHUNK),
-    jnp.zeros((), jnp.int32),
-  )
+  totals = jnp.zeros(len(members), jnp.int32)
+  if chunks:
+    totals = lax.fori_loop(
+      0,
+      chunks,
+      lambda i, n: n + count(i * _COUNT_CHUNK, _COUNT_CHUNK),
+      totals,
+    )
   if tail:
-    total += count(chunks * _COUNT_CHUNK, tail)
-  return total
+    totals += count(chunks * _COUNT_CHUNK, tail)
+  return [totals[j] for j in range(len(members))]
 
 
 def _counts_together(
