@@ -34,6 +34,11 @@ _NAMES: dict[Any, tuple[str, ...]] = {
 }
 # The dtypes get_policy returns are jax.numpy's scalar types, as in jmp.
 _TYPES = [jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64]
+# jmp's own table of names, keyed by those types, which code written against
+# jmp's policy module (its tests included) reads.
+dtype_to_names: dict[Any, tuple[str, ...]] = {
+  t: _NAMES[jnp.dtype(t)] for t in _TYPES
+}
 _DTYPES: dict[str, Any] = {
   name: t for t in _TYPES for name in _NAMES[jnp.dtype(t)]
 }

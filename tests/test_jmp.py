@@ -858,3 +858,15 @@ def test_haiku_takes_the_policy(standard_promotion):
   assert params["probe"]["w"].dtype == jnp.float32
   assert seen[-2:] == [jnp.float16, jnp.float16]
   assert out.dtype == jnp.float32
+
+
+def test_dtype_to_names_is_jmps_table_and_str_uses_its_first_names():
+  from optax_lossscale import jmp as ours
+
+  assert "dtype_to_names" not in ours.__all__
+  for t in (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64):
+    names = ours.dtype_to_names[t]
+    assert str(ours.Policy(t, t, t)) == ",".join(
+      f"{k}={names[0]}" for k in "pco"
+    )
+  assert ours.dtype_to_names[jnp.float32] == ("full", "f32", "float32")
