@@ -276,8 +276,8 @@ def agree(flags: jax.Array, axis_name: AxisName) -> jax.Array:
 
 def nonfinite_counts(
   leaves: list[jax.Array], unscale: Callable[[jax.Array], jax.Array]
-) -> list[jax.Array]:
-  """How many non-finite elements each leaf has once unscaled: int32 scalars.
+) -> jax.Array:
+  """How many non-finite elements each leaf has once unscaled: int32s.
 
   The leaves are read in the groups the check reads them in, and `unscale`
   (an elementwise division, as `LossScale.unscale` is) is applied to each
@@ -285,27 +285,43 @@ def nonfinite_counts(
   not a few each. No array constant enters the computation (a `vmap`ped
   `cond` over a sharded member axis refuses them).
   """
-  counts: list[jax.Array] = [jnp.zeros((), jnp.int32)] * len(leaves)
+  pieces: list[tuple[list[int], jax.Array]] = []
   whole: dict[Any, list[int]] = {}
   for group in _partition(leaves):
     members = [leaves[i] for i in group]
     if not _in_place(members):
-      per_leaf = _counts_together(members, unscale)
+      pieces += [
+        ([group[j] for j in js], counts)
+        for js, counts in _counts_together(members, unscale)
+      ]
     elif _is_whole(members[0]):
       # Counted below, with the whole leaves of the same size.
       whole.setdefault((members[0].dtype, members[0].size), []).extend(group)
-      continue
     else:  # a sharded leaf, counted where it lives (each device its block)
-      per_leaf = [jnp.sum(~jnp.isfinite(unscale(members[0])), dtype=jnp.int32)]
-    for i, count in zip(group, per_leaf, strict=True):
-      counts[i] = count
+      flags = ~jnp.isfinite(unscale(members[0]))
+      pieces.append((group, jnp.sum(flags, dtype=jnp.int32).reshape(1)))
   for same in whole.values():
     for start in range(0, len(same), _CONCAT):
       group = same[start : start + _CONCAT]
-      per_leaf = _count_in_chunks([leaves[i] for i in group], unscale)
-      for i, count in zip(group, per_leaf, strict=True):
-        counts[i] = count
-  return counts
+      pieces.append(
+        (group, _count_in_chunks([leaves[i] for i in group], unscale))
+      )
+  return _in_leaf_order(pieces, len(leaves))
+
+
+def _in_leaf_order(
+  pieces: list[tuple[list[int], jax.Array]], n: int
+) -> jax.Array:
+  """The counts of `pieces` (leaf indices, their counts) in leaf order."""
+  if not pieces:
+    return jnp.zeros((0,), jnp.int32)
+  order = [i for indices, _ in pieces for i in indices]
+  if order == list(range(n)):  # the usual case: one concatenation
+    return jnp.concatenate([counts for _, counts in pieces])
+  by_leaf = {
+    i: counts[k] for indices, counts in pieces for k, i in enumerate(indices)
+  }
+  return jnp.stack([by_leaf[i] for i in range(n)])
 
 
 # Large leaves that are whole on each device are counted in chunks of this
@@ -317,7 +333,7 @@ _COUNT_CHUNK = 2**11
 
 def _count_in_chunks(
   members: list[jax.Array], unscale: Callable[[jax.Array], jax.Array]
-) -> list[jax.Array]:
+) -> jax.Array:
   """The non-finite counts of whole leaves of one size, chunk by chunk."""
   flats = [x.ravel() for x in members]
   size = flats[0].size
@@ -339,43 +355,42 @@ def _count_in_chunks(
     )
   if tail:
     totals += count(chunks * _COUNT_CHUNK, tail)
-  return [totals[j] for j in range(len(members))]
+  return totals
 
 
 def _counts_together(
   members: list[jax.Array], unscale: Callable[[jax.Array], jax.Array]
-) -> list[jax.Array]:
+) -> list[tuple[list[int], jax.Array]]:
   """The non-finite counts of small leaves of one dtype, in a few kernels.
 
   Leaves of one size are stacked and counted by one reduction per size;
   the rest are concatenated and counted by one segment sum, whose segment
   ids (int8: at most _CONCAT leaves) come from an iota. Each is exact, and
-  needs buffers of about the size of the leaves.
+  needs buffers of about the size of the leaves. Returns (indices into
+  `members`, their counts) pairs.
   """
   by_size: dict[int, list[int]] = {}
   for j, x in enumerate(members):
     by_size.setdefault(x.size, []).append(j)
-  counts: list[jax.Array] = [jnp.zeros((), jnp.int32)] * len(members)
+  pieces = []
   alone = [js[0] for js in by_size.values() if len(js) == 1]
   for js in by_size.values():
     if len(js) > 1:
       rows = unscale(jnp.stack([members[j].ravel() for j in js]))
-      sums = jnp.sum(~jnp.isfinite(rows), axis=1, dtype=jnp.int32)
-      for k, j in enumerate(js):
-        counts[j] = sums[k]
+      flags = ~jnp.isfinite(rows)
+      pieces.append((js, jnp.sum(flags, axis=1, dtype=jnp.int32)))
   if alone:
     flat = unscale(jnp.concatenate([members[j].ravel() for j in alone]))
-    flags = (~jnp.isfinite(flat)).astype(jnp.int32)
+    ones = (~jnp.isfinite(flat)).astype(jnp.int32)
     index = lax.iota(jnp.int32, flat.size)
     ids = jnp.zeros(flat.size, jnp.int8)
     for end in np.cumsum([members[j].size for j in alone])[:-1]:
       ids += (index >= int(end)).astype(jnp.int8)
     sums = jax.ops.segment_sum(
-      flags, ids, num_segments=len(alone), indices_are_sorted=True
+      ones, ids, num_segments=len(alone), indices_are_sorted=True
     )
-    for k, j in enumerate(alone):
-      counts[j] = sums[k]
-  return counts
+    pieces.append((alone, sums))
+  return pieces
 
 
 def all_finite(tree: Any, *, axis_name: AxisName = None) -> jax.Array:

@@ -663,9 +663,11 @@ class LossScaleOptimizer:
     counts = _numerics.nonfinite_counts(
       [flat[i] for i in counted], loss_scale.unscale
     )
+    if len(counted) == len(flat):
+      return counts
     per_leaf = [jnp.zeros((), jnp.int32)] * len(flat)  # float0 counts nothing
-    for i, count in zip(counted, counts, strict=True):
-      per_leaf[i] = count
+    for k, i in enumerate(counted):
+      per_leaf[i] = counts[k]
     return jnp.stack(per_leaf)
 
   def _record(
