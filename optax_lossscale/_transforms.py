@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax.numpy as jnp
@@ -89,34 +90,38 @@ def unscale_gradients(
     >>> updates["w"], float(ols.get_loss_scale(state)())
     (Array([0., 0.], dtype=float32), 4.0)
   """
-  call = "unscale_gradients"
-  check_loss_scale(call, loss_scale)
+  check_loss_scale("unscale_gradients", loss_scale)
 
   def init_fn(params: optax.Params) -> UnscaleGradientsState:
     del params
     return UnscaleGradientsState(fresh_copy(loss_scale), jnp.array(True))
 
-  def update_fn(
-    updates: optax.Updates,
-    state: UnscaleGradientsState,
-    params: optax.Params | None = None,
-    **extra_args: Any,
-  ) -> tuple[optax.Updates, UnscaleGradientsState]:
-    check_state_type(call, state, UnscaleGradientsState)
-    check_structure(call, updates, params)
-    # The check reads the incoming gradients: the unscaling is then fused into
-    # the rest of the chain instead of being written out as a separate buffer.
-    grads_finite, loss_finite = verdicts(
-      call, state.loss_scale, updates, extra_args.get("value"), axis_name
-    )
-    decision = decide(
-      state.loss_scale, grads_finite, loss_finite, skip_nonfinite=False
-    )
-    return state.loss_scale.unscale(updates), UnscaleGradientsState(
-      decision.loss_scale, decision.should_apply
-    )
-
+  update_fn = functools.partial(_unscale_update, axis_name)
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _unscale_update(
+  axis_name: _numerics.AxisName,
+  updates: optax.Updates,
+  state: UnscaleGradientsState,
+  params: optax.Params | None = None,
+  **extra_args: Any,
+) -> tuple[optax.Updates, UnscaleGradientsState]:
+  """`unscale_gradients`' update: unscale, check, and the new state."""
+  call = "unscale_gradients"
+  check_state_type(call, state, UnscaleGradientsState)
+  check_structure(call, updates, params)
+  # The check reads the incoming gradients: the unscaling is then fused into
+  # the rest of the chain instead of being written out as a separate buffer.
+  grads_finite, loss_finite = verdicts(
+    call, state.loss_scale, updates, extra_args.get("value"), axis_name
+  )
+  decision = decide(
+    state.loss_scale, grads_finite, loss_finite, skip_nonfinite=False
+  )
+  return state.loss_scale.unscale(updates), UnscaleGradientsState(
+    decision.loss_scale, decision.should_apply
+  )
 
 
 def loss_scale_optimizer(
