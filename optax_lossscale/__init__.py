@@ -24,6 +24,7 @@ from optax_lossscale._report import SkipReport as SkipReport
 from optax_lossscale._report import format_skip as format_skip
 from optax_lossscale._report import log_skip as log_skip
 from optax_lossscale._report import skip_report as skip_report
+from optax_lossscale._report import skip_reports as skip_reports
 from optax_lossscale._serialization import deserialize as deserialize
 from optax_lossscale._serialization import get as get
 from optax_lossscale._serialization import (
@@ -74,5 +75,6 @@ __all__ = [
   "scaled_value_and_grad",
   "serialize",
   "skip_report",
+  "skip_reports",
   "unscale_gradients",
 ]

@@ -11,7 +11,6 @@ import numpy as np
 from optax_lossscale import _validation
 from optax_lossscale._states import (
   LossScaleOptimizerState,
-  SkipRecord,
   find_states,
   first_copy,
 )
@@ -23,6 +22,7 @@ __all__ = [
   "format_skip",
   "log_skip",
   "skip_report",
+  "skip_reports",
 ]
 
 _LOGGER = logging.getLogger("optax_lossscale")
@@ -41,12 +41,18 @@ class SkipReport(NamedTuple):
     nonfinite: for each gradient leaf with non-finite unscaled values, its
       `jax.tree_util.keystr` path and how many such values it has. Empty when
       only the loss was non-finite.
+    member: in a state stacked over `vmap` members (or `pmap` replicas), the
+      index of the member that skipped (over several stacked axes, its
+      row-major index: `i * n + j` for element `[i, j]` of an `(m, n)`
+      stack); None for an unbatched state.
 
   Examples:
     >>> import optax_lossscale as ols
     >>> report = ols.SkipReport(1024.0, 512.0, 3, 1, True, {"['w']": 2})
     >>> print(ols.format_skip(report))
     skipped step (1 in a row, 3 in all): loss scale 1024 -> 512; loss finite; non-finite gradients: ['w'] (2)
+    >>> print(ols.format_skip(report._replace(member=2)))
+    member 2: skipped step (1 in a row, 3 in all): loss scale 1024 -> 512; loss finite; non-finite gradients: ['w'] (2)
   """
 
   loss_scale: float
@@ -55,6 +61,7 @@ class SkipReport(NamedTuple):
   consecutive_skipped_steps: int
   loss_finite: bool | None
   nonfinite: dict[str, int]
+  member: int | None = None
 
 
 def format_skip(report: SkipReport) -> str:
@@ -64,11 +71,18 @@ def format_skip(report: SkipReport) -> str:
     report: a `SkipReport`.
 
   Returns:
-    A string, as `log_skip` logs it.
+    A string, as `log_skip` logs it; it begins with `member i: ` when the
+    report is of a member of a stacked state.
+
+  Examples:
+    >>> import optax_lossscale as ols
+    >>> print(ols.format_skip(ols.SkipReport(8.0, 8.0, 1, 1, False, {}, 0)))
+    member 0: skipped step (1 in a row, 1 in all): loss scale 8 -> 8; loss NON-FINITE; non-finite gradients: none
   """
   loss = {None: "no loss given", True: "loss finite", False: "loss NON-FINITE"}
+  member = "" if report.member is None else f"member {report.member}: "
   return (
-    f"skipped step ({report.consecutive_skipped_steps} in a row,"
+    f"{member}skipped step ({report.consecutive_skipped_steps} in a row,"
     f" {report.skipped_steps} in all): loss scale {report.loss_scale:g} ->"
     f" {report.next_loss_scale:g}; {loss[report.loss_finite]};"
     f" non-finite gradients: {_leaves(report)}"
@@ -99,43 +113,46 @@ class ConsecutiveSkipsError(RuntimeError):
 ConsecutiveSkipsError.__module__ = "optax_lossscale"
 
 
-def stop_message(
-  report: SkipReport, limit: int, at_floor: bool, member: str = ""
-) -> str:
-  """The stop rule's message: what happened and the likely fix."""
-  floor = (
-    "at its floor (min_loss_scale): it cannot go lower"
-    if at_floor
-    else "above its floor (min_loss_scale)"
-  )
-  loss = {
-    None: "The loss was not given (pass value=loss to tell).",
-    True: "The loss was finite: the gradients overflowed.",
-    False: "The loss itself was NOT finite: the forward pass failed, and no"
-    " loss scale can fix that.",
-  }[report.loss_finite]
-  return (
-    f"LossScaleOptimizer{member}: {report.consecutive_skipped_steps}"
-    f" consecutive steps skipped (max_consecutive_skips={limit}); training"
-    f" has stopped making progress. The loss scale is {report.loss_scale:g},"
-    f" {floor}."
-    f" {loss} Leaves with non-finite gradients: {_leaves(report)}. Likely"
-    " fix: check the inputs and the learning rate (a diverging run overflows"
-    " at any scale); or lower min_loss_scale; or compute the layers named"
-    " above in float32."
-  )
+# The record's fields with one scalar per member.
+_RECORD_SCALARS = (
+  "loss_scale",
+  "next_loss_scale",
+  "skipped_steps",
+  "consecutive_skipped_steps",
+  "loss_given",
+  "loss_finite",
+  "at_floor",
+)
 
 
-def _members(x: Any) -> np.ndarray:
-  """A stacked scalar field on the host, one element per replica or member.
+class _Members(NamedTuple):
+  """A state's skip counters and record on the host, one entry per member.
+
+  An unbatched state has one member (`shape` is `()`); a state stacked over
+  `vmap` members or `pmap` replicas, over one axis or several, has one per
+  element of the stack, in row-major order.
+  """
+
+  shape: tuple[int, ...]
+  skipped: np.ndarray
+  consecutive: np.ndarray
+  loss_scale: np.ndarray
+  record: dict[str, np.ndarray] | None
+  names: tuple[str, ...]
+
+
+def _flat(x: Any, size: int) -> np.ndarray:
+  """A scalar field on the host, one element per member.
 
   A replicated array of a multi-process run is read from this process's
-  copy; one that is not stacked has one member.
+  copy; a field that is not stacked (a `FixedLossScale`'s static value)
+  holds for every member.
   """
-  return np.asarray(first_copy(x)).reshape(-1)
+  return np.broadcast_to(np.asarray(first_copy(x)).reshape(-1), (size,))
 
 
-def _optimizer_state(call: str, opt_state: Any) -> LossScaleOptimizerState:
+def _read(call: str, opt_state: Any) -> _Members:
+  """Reads the one `LossScaleOptimizerState` in `opt_state` on the host."""
   found = find_states(opt_state, (LossScaleOptimizerState,))
   if len(found) != 1:
     raise ValueError(
@@ -143,47 +160,107 @@ def _optimizer_state(call: str, opt_state: Any) -> LossScaleOptimizerState:
       f" the state, found {len(found)}."
     )
   state: LossScaleOptimizerState = found[0]
-  return state
-
-
-def _report_of(record: SkipRecord, member: int) -> SkipReport | None:
-  """The record of one replica or `vmap` member, or None before a skip."""
-  skipped = int(_members(record.skipped_steps)[member])
-  if skipped == 0:
-    return None
-  names = record.names()
-  members = _members(record.skipped_steps).size
-  counts = np.asarray(first_copy(record.nonfinite)).reshape(members, -1)
-  loss_given = bool(_members(record.loss_given)[member])
-  return SkipReport(
-    loss_scale=float(_members(record.loss_scale)[member]),
-    next_loss_scale=float(_members(record.next_loss_scale)[member]),
-    skipped_steps=skipped,
-    consecutive_skipped_steps=int(
-      _members(record.consecutive_skipped_steps)[member]
-    ),
-    loss_finite=(
-      bool(_members(record.loss_finite)[member]) if loss_given else None
-    ),
-    nonfinite={
-      name: int(n)
-      for name, n in zip(names, counts[member], strict=True)
-      if n > 0
-    },
+  skipped = np.asarray(first_copy(state.skipped_steps))
+  size = skipped.size
+  record: dict[str, np.ndarray] | None = None
+  names: tuple[str, ...] = ()
+  if state.last_skip is not None:
+    record = {
+      k: _flat(getattr(state.last_skip, k), size) for k in _RECORD_SCALARS
+    }
+    nonfinite = np.asarray(first_copy(state.last_skip.nonfinite))
+    record["nonfinite"] = nonfinite.reshape(size, -1)
+    names = state.last_skip.names()
+  return _Members(
+    shape=skipped.shape,
+    skipped=skipped.reshape(-1),
+    consecutive=_flat(state.consecutive_skipped_steps, size),
+    loss_scale=_flat(state.loss_scale(), size),
+    record=record,
+    names=names,
   )
 
 
-def _agreeing(state: LossScaleOptimizerState) -> bool:
-  """Whether the replicas (or members) of a stacked state agree."""
-  fields = [state.skipped_steps, state.consecutive_skipped_steps]
-  if state.last_skip is not None:
-    fields += [state.last_skip.nonfinite, state.last_skip.loss_scale]
-  for field in fields:
-    values = np.asarray(first_copy(field))
-    flat = values.reshape(_members(state.skipped_steps).size, -1)
-    if not (flat == flat[:1]).all():
-      return False
-  return True
+def _recorded(members: _Members, m: int) -> SkipReport | None:
+  """Member `m`'s last skip as its record holds it.
+
+  None before its first skip, and when the record is not of its last skip
+  (a state restored from 0.1.0 with a fresh record, or counters reset by
+  hand): then the record's count differs from the state's.
+  """
+  record = members.record
+  if record is None:
+    return None
+  skipped = int(record["skipped_steps"][m])
+  if skipped == 0 or skipped != members.skipped[m]:
+    return None
+  loss_given = bool(record["loss_given"][m])
+  counts = record["nonfinite"][m]
+  return SkipReport(
+    loss_scale=float(record["loss_scale"][m]),
+    next_loss_scale=float(record["next_loss_scale"][m]),
+    skipped_steps=skipped,
+    consecutive_skipped_steps=int(record["consecutive_skipped_steps"][m]),
+    loss_finite=bool(record["loss_finite"][m]) if loss_given else None,
+    nonfinite={
+      name: int(n)
+      for name, n in zip(members.names, counts, strict=True)
+      if n > 0
+    },
+    member=m if members.shape else None,
+  )
+
+
+def _latest(members: _Members, m: int) -> SkipReport | None:
+  """Member `m`'s last skip; from the counters alone without its record."""
+  report = _recorded(members, m)
+  if report is not None or members.skipped[m] == 0:
+    return report
+  scale = float(members.loss_scale[m])
+  return SkipReport(
+    loss_scale=scale,
+    next_loss_scale=scale,
+    skipped_steps=int(members.skipped[m]),
+    consecutive_skipped_steps=int(members.consecutive[m]),
+    loss_finite=None,
+    nonfinite={},
+    member=m if members.shape else None,
+  )
+
+
+_CAUSE = {
+  None: "The loss was not given (pass value=loss to tell).",
+  True: "The loss was finite: the gradients overflowed.",
+  False: "The loss itself was NOT finite: the forward pass failed, and no"
+  " loss scale can fix that.",
+}
+
+
+def _stop_message(members: _Members, m: int, limit: int) -> str:
+  """The stop rule's message for member `m`: what happened, the likely fix."""
+  report = _recorded(members, m)
+  now = f"the loss scale is now {members.loss_scale[m]:g}"
+  if report is None or members.record is None:
+    what = f"The state holds no record of the skipped steps; {now}."
+  else:
+    floor = (
+      "at its floor (min_loss_scale), so it could not go lower"
+      if members.record["at_floor"][m]
+      else "above its floor (min_loss_scale)"
+    )
+    what = (
+      f"The last skipped step ran at loss scale {report.loss_scale:g},"
+      f" {floor}; {now}. {_CAUSE[report.loss_finite]} Leaves with"
+      f" non-finite gradients: {_leaves(report)}."
+    )
+  member = f" (member {m})" if members.shape else ""
+  return (
+    f"LossScaleOptimizer{member}: {members.consecutive[m]} consecutive steps"
+    f" skipped (max_consecutive_skips={limit}); training has stopped making"
+    f" progress. {what} Likely fix: check the inputs and the learning rate"
+    " (a diverging run overflows at any scale); or lower min_loss_scale; or"
+    " compute the layers named above in float32."
+  )
 
 
 def skip_report(opt_state: Any) -> SkipReport | None:
@@ -193,21 +270,22 @@ def skip_report(opt_state: Any) -> SkipReport | None:
   its state, wherever the state is nested (`optax.chain`, a linen
   `TrainState`, an `nnx.Optimizer`'s `opt_state`). It waits for the step
   that produced the state: call it at your logging cadence, not every step.
-  A `pmap`-stacked state is read from replica 0 (replicas agree); the
-  members of a `vmap` ensemble differ, so pass one member
-  (`jax.tree.map(lambda x: x[i], state)`), or use a `SkipMonitor`, which
-  watches them all.
+  It reads one state; for a state stacked over the members of a `vmap`
+  ensemble or over `pmap` replicas, `skip_reports` returns one report per
+  member (for `pmap` replicas, which agree, read one:
+  `jax.tree.map(lambda x: x[0], opt_state)`).
 
   Args:
-    opt_state: an optimizer state holding one `LossScaleOptimizerState`.
+    opt_state: an optimizer state holding one unbatched
+      `LossScaleOptimizerState`.
 
   Returns:
-    A `SkipReport`, or None before the first skip (and for a state restored
-    from a checkpoint written before records existed).
+    A `SkipReport` (its `member` None), or None before the first skip (and
+    for a state restored from a checkpoint written before records existed).
 
   Raises:
     ValueError: if the state holds no `LossScaleOptimizerState`, or several,
-      or is stacked over members whose records differ.
+      or one stacked over members.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -222,16 +300,59 @@ def skip_report(opt_state: Any) -> SkipReport | None:
     >>> print(ols.format_skip(ols.skip_report(state)))
     skipped step (1 in a row, 1 in all): loss scale 32768 -> 16384; no loss given; non-finite gradients: ['w'] (1)
   """
-  state = _optimizer_state("skip_report", opt_state)
-  if not _agreeing(state):
+  members = _read("skip_report", opt_state)
+  if members.shape:
     raise ValueError(
       "`skip_report(opt_state)`: the state is stacked over"
-      f" {_members(state.skipped_steps).size} members whose records differ"
-      " (a `vmap` ensemble); pass one member, `jax.tree.map(lambda x: x[i],"
-      " opt_state)`, or watch them all with a SkipMonitor."
+      f" {members.skipped.size} members (`vmap` members or `pmap` replicas,"
+      f" counters of shape {members.shape}); `skip_reports(opt_state)`"
+      " returns one report per member that skipped, or pass one member,"
+      " `jax.tree.map(lambda x: x[i], opt_state)`."
     )
-  record = state.last_skip
-  return None if record is None else _report_of(record, 0)
+  return _recorded(members, 0)
+
+
+def skip_reports(opt_state: Any) -> list[SkipReport]:
+  """Returns the last skipped step of each member of an optimizer state.
+
+  Like `skip_report`, for a state stacked over the members of a `vmap`
+  ensemble (or over `pmap` replicas, which agree: each is a member), over
+  one axis or several: one report per member that has skipped, in member
+  order, each naming its `member`. An unbatched state gives at most one
+  report, its `member` None.
+
+  Args:
+    opt_state: an optimizer state holding one `LossScaleOptimizerState`,
+      stacked or not.
+
+  Returns:
+    A list of `SkipReport`, one per member that has skipped; empty before
+    any member skipped (and for a state restored from a checkpoint written
+    before records existed).
+
+  Raises:
+    ValueError: if the state holds no `LossScaleOptimizerState`, or several.
+
+  Examples:
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> import optax_lossscale as ols
+    >>> tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale())
+    >>> params = {"w": jnp.zeros((3, 2))}  # three members
+    >>> state = jax.vmap(tx.init)(params)
+    >>> ols.skip_reports(state)
+    []
+    >>> grads = {"w": jnp.array([[1.0, 1.0], [jnp.nan, 1.0], [1.0, jnp.inf]])}
+    >>> _, state = jax.vmap(tx.update)(grads, state, params)
+    >>> for report in ols.skip_reports(state):
+    ...   print(ols.format_skip(report))
+    member 1: skipped step (1 in a row, 1 in all): loss scale 32768 -> 16384; no loss given; non-finite gradients: ['w'] (1)
+    member 2: skipped step (1 in a row, 1 in all): loss scale 32768 -> 16384; no loss given; non-finite gradients: ['w'] (1)
+  """
+  members = _read("skip_reports", opt_state)
+  reports = (_recorded(members, m) for m in range(members.skipped.size))
+  return [report for report in reports if report is not None]
 
 
 class SkipMonitor:
@@ -244,6 +365,13 @@ class SkipMonitor:
   fast dispatch, and every process of a multi-process run, holding the
   same replicated counters, logs and raises alike.
 
+  A state stacked over the members of a `vmap` ensemble is watched member by
+  member: each member's new skip is logged once, naming the member, however
+  the members skip together or apart. A `pmap`-stacked state is watched the
+  same way, each replica a member; pass one replica
+  (`jax.tree.map(lambda x: x[0], opt_state)`) to log replicas that agree
+  once.
+
   The trade: the stop rule fires at the first call after the limit is
   reached, not inside the step. Skipped steps write nothing, so the steps
   run meanwhile change no parameter and no optimizer moment; they only
@@ -251,9 +379,10 @@ class SkipMonitor:
 
   Args:
     max_consecutive_skips: raise `ConsecutiveSkipsError` when the state's
-      `consecutive_skipped_steps` has reached this; None never raises.
-    log: called with the last `SkipReport` when steps were skipped since the
-      previous call (once per report); None logs nothing.
+      `consecutive_skipped_steps` has reached this (in any member); None
+      never raises.
+    log: called with the last `SkipReport` of each member that skipped
+      since the previous call (once per report); None logs nothing.
 
   Raises:
     TypeError: if `log` is not callable or None, or `max_consecutive_skips`
@@ -278,6 +407,19 @@ class SkipMonitor:
     Traceback (most recent call last):
     ...
     optax_lossscale.ConsecutiveSkipsError: LossScaleOptimizer: 2 consecutive steps skipped (max_consecutive_skips=2); ...
+
+    An ensemble, logged member by member:
+
+    >>> import jax
+    >>> monitor = ols.SkipMonitor(log=lambda r: print(ols.format_skip(r)))
+    >>> params = {"w": jnp.zeros((2, 2))}  # two members
+    >>> state = jax.vmap(tx.init)(params)
+    >>> grads = {"w": jnp.array([[jnp.nan, 1.0], [jnp.inf, 1.0]])}
+    >>> _, state = jax.vmap(tx.update)(grads, state, params)
+    >>> monitor(state).member  # the member with the longest streak
+    member 0: skipped step (1 in a row, 1 in all): loss scale 32768 -> 16384; no loss given; non-finite gradients: ['w'] (1)
+    member 1: skipped step (1 in a row, 1 in all): loss scale 32768 -> 16384; no loss given; non-finite gradients: ['w'] (1)
+    0
   """
 
   def __init__(
@@ -307,75 +449,45 @@ class SkipMonitor:
     )
 
   def __call__(self, opt_state: Any) -> SkipReport | None:
-    """Reads the state; logs and returns a new skip, or raises.
+    """Reads the state; logs and returns the new skips, or raises.
 
     Args:
-      opt_state: an optimizer state holding one `LossScaleOptimizerState`.
-        A state stacked over `pmap` replicas (which agree) is read once; one
-        stacked over the members of a `vmap` ensemble is watched member by
-        member, and each member's new skip is logged.
+      opt_state: an optimizer state holding one `LossScaleOptimizerState`,
+        unbatched or stacked over members (`vmap`, `pmap`).
 
     Returns:
       The last `SkipReport` if steps were skipped since the previous call
-      (or, on the first call, ever), else None. For an ensemble, that of the
-      member with the most consecutive skips among those that skipped.
+      (or, on the first call, ever), else None. For a stacked state, that of
+      the member with the longest current streak among those that skipped
+      (the lowest index among equals); `log` gets each of them.
 
     Raises:
       ConsecutiveSkipsError: if the state's `consecutive_skipped_steps` has
-        reached `max_consecutive_skips` (in any member). Its message names
-        the count, the scale and whether it sits at its floor, whether the
-        loss was finite, the leaves with non-finite gradients and the likely
-        fix.
+        reached `max_consecutive_skips` (in any member; the message names
+        the one with the longest streak). Its message names the count, the
+        scale of the last skipped step and whether it sat at its floor, the
+        scale now, whether the loss was finite, the leaves with non-finite
+        gradients and the likely fix.
     """
-    state = _optimizer_state("SkipMonitor", opt_state)
-    skipped = _members(state.skipped_steps)
-    consecutive = _members(state.consecutive_skipped_steps)
-    if _agreeing(state):
-      skipped, consecutive = skipped[:1], consecutive[:1]
+    members = _read("SkipMonitor", opt_state)
+    skipped = members.skipped.reshape(members.shape)
     seen = self._seen
     if seen is None or seen.shape != skipped.shape:
       seen = np.zeros_like(skipped)
-    # A count that went down (a restored checkpoint) is news too.
+    # Each member apart; a count that went down (a restored checkpoint) is
+    # news too.
     new = np.flatnonzero(skipped != seen)
     self._seen = skipped.copy()
-    reports = {
-      int(m): _report_of(state.last_skip, int(m))
-      if state.last_skip is not None
-      else _counters_only(state, int(m))
-      for m in range(skipped.size)
-      if m in new or consecutive[m] > 0
-    }
+    latest = [(int(m), _latest(members, int(m))) for m in new]
+    reports = [(m, report) for m, report in latest if report is not None]
     if self.log is not None:
-      for m in new:
-        report = reports[int(m)]
-        if report is not None:
-          self.log(report)
+      for _, report in reports:
+        self.log(report)
     limit = self.max_consecutive_skips
-    worst = int(np.argmax(consecutive))
-    if limit is not None and consecutive[worst] >= limit:
-      report = reports[worst]
-      assert report is not None  # it skipped, so its record is written
-      at_floor = False
-      if state.last_skip is not None:
-        at_floor = bool(_members(state.last_skip.at_floor)[worst])
-      member = f" (member {worst})" if skipped.size > 1 else ""
-      raise ConsecutiveSkipsError(stop_message(report, limit, at_floor, member))
-    if not new.size:
+    worst = int(np.argmax(members.consecutive))
+    if limit is not None and members.consecutive[worst] >= limit:
+      raise ConsecutiveSkipsError(_stop_message(members, worst, limit))
+    if not reports:
       return None
-    latest = max(new, key=lambda m: consecutive[m])
-    return reports[int(latest)]
-
-
-def _counters_only(state: LossScaleOptimizerState, member: int) -> SkipReport:
-  """What a state without a record (restored from 0.1.0) can tell."""
-  scale = float(_members(state.loss_scale())[member])
-  return SkipReport(
-    loss_scale=scale,
-    next_loss_scale=scale,
-    skipped_steps=int(_members(state.skipped_steps)[member]),
-    consecutive_skipped_steps=int(
-      _members(state.consecutive_skipped_steps)[member]
-    ),
-    loss_finite=None,
-    nonfinite={},
-  )
+    _, report = max(reports, key=lambda pair: members.consecutive[pair[0]])
+    return report

@@ -338,11 +338,14 @@ def check_minimize_retries_agree():
     _, _, new_state = step(params, state, jnp.asarray(x))
     skipped = np.asarray(new_state.skipped_steps)
     assert (skipped == (max_retries < needed)).all(), skipped
-    report = ols.skip_report(new_state)
-    assert (report is None) == (max_retries == needed), report
-  assert report.nonfinite == {"['w']": 3}, report  # replica 1's 3 values
-  counts = np.asarray(new_state.last_skip.nonfinite)
-  assert (counts == counts[0]).all(), counts
+    reports = ols.skip_reports(new_state)  # one per replica
+    assert (reports == []) == (max_retries == needed), reports
+  assert [r.member for r in reports] == [0, 1, 2, 3], reports
+  for report in reports:  # replica 1's 3 values, on every replica
+    assert report._replace(member=0) == reports[0], reports
+  assert reports[0].nonfinite == {"['w']": 3}, reports
+  replica = jax.tree.map(lambda x: x[0], new_state)
+  assert ols.skip_report(replica) == reports[0]._replace(member=None)
 
 
 # --- every public function on sharded trees ----------------------------------

@@ -376,7 +376,8 @@ def test_skip_monitor_logs_each_skip_once_as_a_warning(caplog):
     assert monitor(state).skipped_steps == 3  # the last of the two
   lines = [r for r in caplog.records if r.name == "optax_lossscale"]
   assert len(lines) == 2
-  assert "skipped step (1 in a row, 1 in all)" in lines[0].getMessage()
+  assert lines[0].getMessage().startswith("skipped step (1 in a row, 1 in all)")
+  assert not any("member" in line.getMessage() for line in lines)
   assert "['w'] (1)" in lines[0].getMessage()
   assert "skipped step (3 in a row, 3 in all)" in lines[1].getMessage()
 
@@ -429,7 +430,10 @@ def test_skip_monitor_raises_when_the_limit_is_reached(donate):
   assert isinstance(error.value, RuntimeError)
   message = str(error.value)
   assert "3 consecutive steps skipped (max_consecutive_skips=3)" in message
-  assert "The loss scale is 1, at its floor (min_loss_scale)" in message
+  assert (
+    "The last skipped step ran at loss scale 1, at its floor (min_loss_scale),"
+    " so it could not go lower; the loss scale is now 1." in message
+  )
   assert "The loss was finite" in message
   assert "['w'] (1)" in message
   assert "lower min_loss_scale" in message and "float32" in message
@@ -441,6 +445,40 @@ def test_skip_monitor_raises_when_the_limit_is_reached(donate):
     np.testing.assert_array_equal(x, k)
   with pytest.raises(ols.ConsecutiveSkipsError):
     monitor(state)
+
+
+def test_stop_rule_gives_the_skipped_steps_scale_and_the_scale_now():
+  # Three overflows from 2**15: the last skipped step ran at 8192 and left
+  # the scale at 4096; the message says both.
+  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale(2.0**15))
+  params = {"w": jnp.ones(2)}
+  step = jax.jit(tx.apply_gradients)
+  state = tx.init(params)
+  for _ in range(3):
+    _, state = step({"w": jnp.array([jnp.inf, 1.0])}, state, params)
+  with pytest.raises(ols.ConsecutiveSkipsError) as error:
+    ols.SkipMonitor(max_consecutive_skips=3, log=None)(state)
+  assert (
+    "LossScaleOptimizer: 3 consecutive steps skipped (max_consecutive_skips=3)"
+    "; training has stopped making progress. The last skipped step ran at"
+    " loss scale 8192, above its floor (min_loss_scale); the loss scale is"
+    " now 4096." in str(error.value)
+  )
+
+
+def test_unbatched_reports_name_no_member():
+  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale(4.0))
+  params = {"w": jnp.ones(2)}
+  state = tx.init(params)
+  assert ols.skip_reports(state) == []
+  _, state = jax.jit(tx.apply_gradients)(
+    {"w": jnp.array([jnp.nan, 1.0])}, state, params
+  )
+  report = ols.skip_report(state)
+  assert report == ols.SkipReport(4.0, 2.0, 1, 1, None, {"['w']": 1}, None)
+  assert ols.skip_reports(state) == [report]
+  assert ols.SkipMonitor(log=None)(state) == report
+  assert "member" not in ols.format_skip(report)
 
 
 def test_skip_monitor_says_when_the_loss_itself_was_not_finite():
@@ -483,6 +521,7 @@ def test_skip_monitor_logs_again_after_a_restore_to_fewer_skips():
   restored = early  # an earlier checkpoint: its count is lower
   after = tx.update(bad, restored, params)[1]
   assert monitor(after).skipped_steps == 2  # news, though 2 < 3
+  assert monitor(after) is None  # and only once
 
 
 def test_skip_monitor_stops_a_state_without_a_record():
@@ -493,8 +532,26 @@ def test_skip_monitor_stops_a_state_without_a_record():
   for _ in range(3):
     _, state = tx.update({"w": jnp.array([jnp.nan, 1.0])}, state, params)
   assert state.last_skip is None
-  with pytest.raises(ols.ConsecutiveSkipsError, match="3 consecutive"):
+  with pytest.raises(ols.ConsecutiveSkipsError, match="3 consecutive") as error:
     ols.SkipMonitor(max_consecutive_skips=2, log=None)(state)
+  assert "no record of the skipped steps; the loss scale is now 1." in str(
+    error.value
+  )
+
+
+def test_skip_monitor_reads_counters_that_a_fresh_record_does_not_match():
+  # A 0.1.0 checkpoint restored into `tx.init(params)`: the record is a
+  # fresh one, of no skip; the counters still log and stop.
+  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale(8.0))
+  params = {"w": jnp.ones(2)}
+  state = tx.init(params)._replace(
+    skipped_steps=jnp.int32(5), consecutive_skipped_steps=jnp.int32(3)
+  )
+  assert ols.skip_report(state) is None
+  reports = []
+  with pytest.raises(ols.ConsecutiveSkipsError, match="no record"):
+    ols.SkipMonitor(max_consecutive_skips=3, log=reports.append)(state)
+  assert reports == [ols.SkipReport(8.0, 8.0, 5, 3, None, {})]
 
 
 def test_skip_records_of_large_leaves_need_no_buffer_of_their_size():

@@ -123,6 +123,7 @@ def test_vmap_step_has_no_callback_and_records_only_skipping_members(
   reports = [ols.skip_report(_member(state, i)) for i in range(MEMBERS)]
   assert reports[2].nonfinite == {"['w']": 1}
   assert reports[:2] == [None, None] and reports[3] is None
+  assert ols.skip_reports(state) == [reports[2]._replace(member=2)]
 
 
 def test_skip_monitor_watches_every_member_of_an_ensemble(
@@ -139,10 +140,122 @@ def test_skip_monitor_watches_every_member_of_an_ensemble(
     for t in range(2):
       params, state = step(grads, state, params)
       assert monitor(state).consecutive_skipped_steps == t + 1
+  assert caplog.text.count("member 3: skipped step") == 2
   assert caplog.text.count("skipped step") == 2
-  with pytest.raises(ValueError, match="members whose records differ"):
+  with pytest.raises(ValueError, match=r"skip_reports\(opt_state\)"):
     ols.skip_report(state)
   assert ols.skip_report(_member(state, 3)).nonfinite == {"['w']": 1}
   params, state = step(grads, state, params)
-  with pytest.raises(ols.ConsecutiveSkipsError, match=r"\(member 3\): 3"):
+  with pytest.raises(ols.ConsecutiveSkipsError, match=r"\(member 3\): 3") as e:
     monitor(state)
+  skipped_at = float(state.last_skip.loss_scale[3])
+  now = float(state.loss_scale()[3])
+  assert skipped_at != now  # hysteresis spent: this skip halved the scale
+  assert (
+    f"The last skipped step ran at loss scale {skipped_at:g}, above its"
+    f" floor (min_loss_scale); the loss scale is now {now:g}." in str(e.value)
+  )
+
+
+def _lines(caplog):
+  lines = [
+    r.getMessage() for r in caplog.records if r.name == "optax_lossscale"
+  ]
+  caplog.clear()
+  return lines
+
+
+@pytest.mark.parametrize("members", [2, 4])
+def test_members_skipping_at_the_same_step_are_logged_apart(
+  members, standard_promotion, caplog
+):
+  # Members 0 and 1 skip the same step alike (of 2 members: all of them).
+  tx = _tx()
+  params = {"w": jnp.ones((members, 3))}
+  state = jax.vmap(tx.init)(params)
+  grads = {"w": jnp.ones((members, 3)).at[:2, 1].set(jnp.nan)}
+  _, state = jax.jit(jax.vmap(tx.apply_gradients))(grads, state, params)
+  with caplog.at_level("WARNING", logger="optax_lossscale"):
+    assert ols.SkipMonitor()(state).member == 0
+  line = "skipped step (1 in a row, 1 in all): loss scale 8 -> 8; no loss given"
+  assert _lines(caplog) == [
+    f"member 0: {line}; non-finite gradients: ['w'] (1)",
+    f"member 1: {line}; non-finite gradients: ['w'] (1)",
+  ]
+  assert [r.member for r in ols.skip_reports(state)] == [0, 1]
+
+
+def test_members_that_skip_together_then_apart_log_each_skip_once(
+  standard_promotion,
+):
+  # Every member skips the first two steps alike, then each on its own
+  # (`_grads`); the monitor reads the state after every step.
+  tx = _tx()
+  params = _params()
+  state = jax.vmap(tx.init)(params)
+  step = jax.jit(jax.vmap(tx.apply_gradients))
+  logged = []
+  monitor = ols.SkipMonitor(log=logged.append)
+  everywhere = jax.tree.map(lambda p: jnp.full_like(p, jnp.nan), params)
+  seen = np.zeros(MEMBERS, np.int32)
+  for t in range(8):
+    grads = everywhere if t < 2 else _grads(t)
+    params, state = step(grads, state, params)
+    monitor(state)
+    skipped = np.asarray(state.skipped_steps)
+    expected = [(m, int(skipped[m])) for m in np.flatnonzero(skipped != seen)]
+    assert [(r.member, r.skipped_steps) for r in logged] == expected, t
+    recorded = {r.member: r for r in ols.skip_reports(state)}
+    assert all(recorded[r.member] == r for r in logged)
+    logged.clear()
+    seen = skipped
+    if t == 1:
+      assert len(expected) == MEMBERS  # alike so far
+  assert len(set(skipped.tolist())) > 1  # and apart at the end
+
+
+def test_a_restored_ensemble_is_logged_again_member_by_member(
+  standard_promotion,
+):
+  # After a restore to an earlier checkpoint, a member whose count differs
+  # from what the monitor saw is news; one whose count matches is not.
+  tx = _tx()
+  params = {"w": jnp.ones((2, 3))}
+  step = jax.jit(jax.vmap(tx.apply_gradients))
+  both = {"w": jnp.full((2, 3), jnp.nan)}
+  first = {"w": jnp.ones((2, 3)).at[0, 0].set(jnp.nan)}
+  _, early = step(both, jax.vmap(tx.init)(params), params)  # counts [1, 1]
+  _, late = step(first, step(first, early, params)[1], params)  # [3, 1]
+  logged = []
+  monitor = ols.SkipMonitor(log=logged.append)
+  monitor(late)
+  assert [(r.member, r.skipped_steps) for r in logged] == [(0, 3), (1, 1)]
+  logged.clear()
+  _, after = step(first, early, params)  # the restored checkpoint: [2, 1]
+  assert monitor(after).skipped_steps == 2
+  assert [(r.member, r.skipped_steps) for r in logged] == [(0, 2)]
+  assert monitor(after) is None
+
+
+def test_a_state_stacked_over_two_axes_reports_row_major_members(
+  standard_promotion,
+):
+  # A (2, 3) stack (vmap over vmap, or pmap over vmap): element [1, 2] is
+  # member 5.
+  tx = _tx()
+  params = {"w": jnp.ones((2, 3, 4))}
+  state = jax.vmap(jax.vmap(tx.init))(params)
+  grads = {"w": jnp.ones((2, 3, 4)).at[1, 2, 0].set(jnp.inf)}
+  step = jax.jit(jax.vmap(jax.vmap(tx.apply_gradients)))
+  logged = []
+  monitor = ols.SkipMonitor(max_consecutive_skips=2, log=logged.append)
+  for t in range(2):
+    _, state = step(grads, state, params)
+    if t == 0:
+      assert monitor(state).member == 5
+  assert [r.member for r in ols.skip_reports(state)] == [5]
+  with pytest.raises(ols.ConsecutiveSkipsError, match=r"\(member 5\): 2"):
+    monitor(state)
+  assert [(r.member, r.skipped_steps) for r in logged] == [(5, 1), (5, 2)]
+  with pytest.raises(ValueError, match=r"counters of shape \(2, 3\)"):
+    ols.skip_report(state)
