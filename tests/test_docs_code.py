@@ -48,9 +48,7 @@ def test_page_code_runs_in_order(page, tmp_path):
   env = dict(os.environ, PYTHONPATH=str(ROOT))
   env.pop("XLA_FLAGS", None)
   if page in DEVICES:
-    env["XLA_FLAGS"] = (
-      f"--xla_force_host_platform_device_count={DEVICES[page]}"
-    )
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES[page]}"
   result = subprocess.run(
     [sys.executable, str(script)],
     env=env,
