@@ -47,7 +47,7 @@ def unscale_gradients(
     row, `apply_if_finite` applies one anyway);
   - your own `lax.cond` on this state's `should_apply` that keeps this
     transformation's new state on a skipped step, and only the rest of the
-    old state (the README's "`unscale_gradients` or `LossScaleOptimizer`?").
+    old state (the train-step guide, docs/guides/train_step.md).
 
   Pitfall: a skip *before* it stalls the loss scale. On a skipped step this
   `update` is not called, so the scale is never lowered, and a scale too high

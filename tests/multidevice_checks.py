@@ -104,7 +104,7 @@ def check_pmap():
 
 
 def check_pmap_readme_step():
-  # The README's pmap step, with and without its `pmean` of the gradients.
+  # The docs' pmap step, with and without its `pmean` of the gradients.
   tx = ols.loss_scale_optimizer(
     optax.sgd(0.1), ols.DynamicLossScale(2.0**10), axis_name="batch"
   )

@@ -201,7 +201,7 @@ def test_multisteps_outside_checks_the_accumulated_gradients_once_per_window(
     params = optax.apply_updates(params, updates)
     scales.append(float(ols.get_loss_scale(state)()))
   assert scales == [8.0, 16.0, 16.0, 32.0]
-  # Its pitfall, as the README says: one non-finite micro-batch poisons the
+  # Its pitfall, as the accumulation guide says: one non-finite micro-batch poisons the
   # accumulator for good (Optax resets it by multiplying by zero), so every
   # later window is skipped.
   for _ in range(6):

@@ -221,7 +221,7 @@ def test_check_state_passes_abstract_values_and_needs_a_loss_scale():
 def test_orbax_checkpoint_corrupted_on_disk_is_caught(
   tmp_path, array, value, message
 ):
-  # The README's Orbax recipe: save, restore into a target, check.
+  # The frameworks guide's Orbax recipe: save, restore into a target, check.
   tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale(2.0**10))
   params = {"w": jnp.ones(3)}
   path = tmp_path / "ckpt"

@@ -179,7 +179,7 @@ def test_linen_train_state_step():
 
 
 def test_linen_fused_step_matches_train_state_apply_gradients():
-  # The README's fused linen step: `ols.apply_gradients` and `state.replace`
+  # The frameworks guide's fused linen step: `ols.apply_gradients` and `state.replace`
   # give the same state as `TrainState.apply_gradients` (up to rounding: XLA
   # may fuse the last multiply and the addition differently).
   state = _linen_state()

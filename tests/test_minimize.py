@@ -271,7 +271,7 @@ def test_calibration_first_batch_finds_a_workable_scale():
 
 
 def test_nnx_functional_step_with_minimize():
-  # The README's NNX recipe: split the model, minimize a pure function of the
+  # The frameworks guide's NNX recipe: split the model, minimize a pure function of the
   # parameters, merge back.
   class Model(nnx.Module):
     def __init__(self, rngs):
@@ -309,7 +309,7 @@ def test_nnx_functional_step_with_minimize():
 
 
 def test_linen_train_state_with_minimize():
-  # The README's linen recipe: TrainState holds the optimizer itself.
+  # The frameworks guide's linen recipe: TrainState holds the optimizer itself.
   from flax import linen as nn
   from flax.training import train_state
 

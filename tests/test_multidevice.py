@@ -68,9 +68,9 @@ def test_every_public_function_on_sharded_trees(axes):
 
 
 @pytest.mark.parametrize("devices", [1, 8])
-def test_readme_sharded_recipe_runs_as_written(tmp_path, devices):
-  readme = (ROOT / "README.md").read_text()
-  recipe = readme.split("<!-- sharded-recipe -->\n```python\n")[1]
+def test_sharded_recipe_runs_as_written(tmp_path, devices):
+  page = (ROOT / "docs" / "multidevice.md").read_text()
+  recipe = page.split("<!-- sharded-recipe -->\n```python\n")[1]
   script = tmp_path / "recipe.py"
   script.write_text(recipe.split("```")[0])
   env = dict(

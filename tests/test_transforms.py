@@ -258,7 +258,7 @@ def test_extra_args_reach_the_inner_transformation():
 
 
 def _own_skip_step(loss_scale):
-  # The README's own skip after `unscale_gradients`.
+  # The train-step guide's own skip after `unscale_gradients`.
   tx = optax.chain(ols.unscale_gradients(loss_scale), optax.sgd(1.0))
 
   def train_step(params, opt_state, grads):
