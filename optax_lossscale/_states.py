@@ -197,11 +197,17 @@ def get_loss_scale(opt_state: optax.OptState) -> LossScale:
     ValueError: if the state holds no loss scale, or more than one.
 
   Examples:
+    Clip in the inner optimizer, where the gradients are unscaled. Chained
+    before the loss-scale optimizer, a clip sees the scaled gradients: its
+    threshold is then in effect divided by the scale (256 here), and moves
+    whenever a dynamic scale does.
+
     >>> import jax.numpy as jnp
     >>> import optax
     >>> import optax_lossscale as ols
-    >>> tx = optax.chain(optax.clip(1.0), ols.loss_scale_optimizer(
-    ...     optax.adam(1e-3), ols.FixedLossScale(256)))
+    >>> tx = ols.loss_scale_optimizer(
+    ...     optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)),
+    ...     ols.FixedLossScale(256))
     >>> ols.get_loss_scale(tx.init(jnp.zeros(3)))
     FixedLossScale(loss_scale_value=256.0)
   """

@@ -48,9 +48,12 @@ CONTAINERS = {
   ),
   "loss_scale_optimizer in inject_hyperparams": (
     lambda: optax.chain(
-      optax.clip(1.0),
+      optax.identity(),
       ols.loss_scale_optimizer(
-        optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
+        optax.chain(
+          optax.clip(1.0),
+          optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
+        ),
         ols.DynamicLossScale(),
       ),
     ).init(PARAMS),

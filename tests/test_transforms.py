@@ -189,6 +189,41 @@ def test_clipping_in_the_inner_chain_sees_unscaled_gradients():
   np.testing.assert_allclose(updates["w"], [-0.3, -0.4], rtol=1e-6)
 
 
+def _clipped_steps(where: str, initial_scale: float) -> list[np.ndarray]:
+  """Three sgd(1) steps, clipped to global norm 1, from gradients [3, 4]."""
+  clip = optax.clip_by_global_norm(1.0)
+  loss_scale = ols.DynamicLossScale(initial_scale, increment_period=1)
+  if where == "inside":
+    tx = ols.loss_scale_optimizer(optax.chain(clip, optax.sgd(1.0)), loss_scale)
+  else:
+    tx = optax.chain(clip, ols.loss_scale_optimizer(optax.sgd(1.0), loss_scale))
+  params = {"w": jnp.zeros(2)}
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  steps = []
+  for _ in range(3):  # The scale doubles every step.
+    grads = {"w": jnp.array([3.0, 4.0]) * ols.get_loss_scale(state)()}
+    updates, state = update(grads, state, params)
+    steps.append(np.asarray(updates["w"]))
+  return steps
+
+
+@pytest.mark.parametrize("initial_scale", [1.0, 2.0**10, 2.0**15])
+def test_clipping_before_the_loss_scale_optimizer_shrinks_steps_by_the_scale(
+  initial_scale,
+):
+  # The gradient [3, 4] has norm 5: clipped to norm 1, the step is -[.6, .8].
+  intended = np.array([-0.6, -0.8], np.float32)
+  inside = _clipped_steps("inside", initial_scale)
+  before = _clipped_steps("before", initial_scale)
+  for i in range(3):
+    np.testing.assert_allclose(inside[i], intended, rtol=1e-6)
+    # Before, the clip sees the scaled gradients, of norm 5 * scale: the
+    # step is `scale` times too small, and shrinks as the scale grows.
+    scale = initial_scale * 2**i
+    np.testing.assert_allclose(before[i], intended / scale, rtol=1e-6)
+
+
 def test_multisteps_inside_drops_only_the_bad_micro_batch():
   # Recommended: loss_scale_optimizer(MultiSteps(...)). The accumulator holds
   # unscaled gradients; a non-finite micro-batch is dropped alone and never
@@ -464,7 +499,10 @@ def test_jaxpr_has_one_cond_and_no_select_over_arrays():
   "make",
   [
     lambda ls: optax.chain(
-      optax.clip(1.0), ols.loss_scale_optimizer(optax.sgd(0.1), ls)
+      optax.identity(),
+      ols.loss_scale_optimizer(
+        optax.chain(optax.clip(1.0), optax.sgd(0.1)), ls
+      ),
     ),
     lambda ls: optax.chain(ols.unscale_gradients(ls), optax.adam(0.1)),
     lambda ls: optax.MultiSteps(
