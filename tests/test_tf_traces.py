@@ -98,15 +98,21 @@ def _drive(loss_scale, steps: list[dict], mode: str):
       loss_scale, _stacked_grads(steps)
     )
     return [np.asarray(x) for x in out]
-  update = jax.jit(step) if mode == "jit" else step
+  traces = []
+
+  def traced(ls, grads):
+    traces.append(None)
+    return step(ls, grads)
+
+  update = jax.jit(traced) if mode == "jit" else step
   outs = []
   for s in steps:
     loss_scale, out = update(loss_scale, trace_grads(s))
     assert loss_scale.current_loss_scale.dtype == jnp.float32
     assert loss_scale.num_good_steps.dtype == jnp.int32
     outs.append(out)
-  if mode == "jit":
-    assert update._cache_size() == 1  # one trace for the whole run
+  # Under jit, one trace for the whole run: only array state changes.
+  assert len(traces) == (1 if mode == "jit" else 0)
   return [np.array([np.asarray(o[i]) for o in outs]) for i in range(3)]
 
 
@@ -185,6 +191,67 @@ def test_dynamic_loss_scale_matches_tensorflow_bit_for_bit(run, mode):
   np.testing.assert_array_equal(_bits(scales), _bits(want_scales))
   np.testing.assert_array_equal(applies, want_applies)
   np.testing.assert_array_equal(counters, want_counters)
+
+
+def _vmap_groups() -> list[list[dict]]:
+  """Runs sharing hyperparameters and leaf count, two or more to a group."""
+  groups = collections.defaultdict(list)
+  for run in DYNAMIC:
+    key = (*(run[k] for k in TF_DYNAMIC_KEYS), len(run["steps"][0]["grads"]))
+    groups[key].append(run)
+  return [g for g in groups.values() if len(g) > 1]
+
+
+# Known deviation, left to the owners of `_numerics.exact_div`: on XLA:CPU
+# (jax 0.10.2), an array divided by a broadcast scalar is rounded as a
+# multiplication by the reciprocal, and under `vmap` the divisor is broadcast
+# outside the optimization barrier. A batch of loss scales then backs off one
+# ulp away from TensorFlow where the quotient is inexact (multipliers 1.5 and
+# 10 here; multiplier 3 happens not to round differently in the traced runs).
+_VMAP_INEXACT = (
+  "under vmap, DynamicLossScale's backoff is x * (1 / multiplier), one ulp"
+  " from TensorFlow's x / multiplier (XLA:CPU, a divisor broadcast from a"
+  " scalar)"
+)
+VMAP_GROUPS = [
+  pytest.param(
+    group,
+    id=_run_id(group[0]),
+    marks=pytest.mark.xfail(strict=True, reason=_VMAP_INEXACT)
+    if _run_id(group[0]) in {"4-3-1.5-26steps", "4.25353e+37-2-10-32steps"}
+    else (),
+  )
+  for group in _vmap_groups()
+]
+
+
+@pytest.mark.parametrize("runs", VMAP_GROUPS)
+def test_dynamic_loss_scale_matches_tensorflow_under_vmap(runs):
+  # One loss scale per run, batched; every run cut to the shortest.
+  n = min(len(r["steps"]) for r in runs)
+  grads = [
+    np.stack(leaf)
+    for leaf in zip(
+      *(_stacked_grads(r["steps"][:n]) for r in runs), strict=True
+    )
+  ]
+  batched = jax.tree.map(
+    lambda x: jnp.stack([x] * len(runs)), _dynamic(runs[0])
+  )
+
+  def step(ls, g):
+    ls, should_apply = ls.update(g)
+    return ls, (ls(), ls.num_good_steps, should_apply)
+
+  def one_run(ls, xs):
+    return lax.scan(step, ls, xs)[1]
+
+  scales, counters, applies = jax.jit(jax.vmap(one_run))(batched, grads)
+  for i, run in enumerate(runs):
+    want_scales, want_counters, want_applies = _expected(run)
+    np.testing.assert_array_equal(_bits(scales[i]), _bits(want_scales[:n]))
+    np.testing.assert_array_equal(counters[i], want_counters[:n])
+    np.testing.assert_array_equal(applies[i], want_applies[:n])
 
 
 def _optimizer_runs() -> list[dict]:
@@ -318,7 +385,7 @@ def _tf_keys(config: dict) -> str:
   return json.dumps({k: config[k] for k in TF_DYNAMIC_KEYS})
 
 
-@pytest.mark.parametrize("entry", SERIALIZED, ids=range(len(SERIALIZED)))
+@pytest.mark.parametrize("entry", SERIALIZED, ids=lambda e: e["class_name"])
 @pytest.mark.parametrize("read", ["deserialize", "get"])
 def test_tensorflow_s_serialized_configs_load(entry, read):
   loss_scale = getattr(ols, read)(copy.deepcopy(entry))
@@ -343,7 +410,9 @@ def test_tensorflow_s_serialized_configs_load(entry, read):
 @pytest.mark.parametrize(
   "entry",
   [e for e in SERIALIZED if e["class_name"] == "DynamicLossScale"],
-  ids=lambda e: _tf_keys(e["config"]),
+  ids=lambda e: "{initial_loss_scale:g}-{increment_period}".format(
+    **e["config"]
+  ),
 )
 @pytest.mark.xfail(
   strict=True,
@@ -373,7 +442,7 @@ def test_get_dynamic_is_tensorflow_s_default():
 @pytest.mark.parametrize(
   "entry",
   [e for e in SERIALIZED if e["class_name"] == "FixedLossScale"],
-  ids=lambda e: repr(e["config"]["loss_scale_value"]),
+  ids=lambda e: f"{e['config']['loss_scale_value']:g}",
 )
 @pytest.mark.parametrize("kind", [int, float, np.float32])
 def test_get_number_serializes_as_tensorflow(entry, kind):
