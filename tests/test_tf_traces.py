@@ -203,9 +203,10 @@ def _vmap_groups() -> list[list[dict]]:
 
 
 # Known deviation, left to the owners of `_numerics.exact_div`: on XLA:CPU
-# (jax 0.10.2), an array divided by a broadcast scalar is rounded as a
-# multiplication by the reciprocal, and under `vmap` the divisor is broadcast
-# outside the optimization barrier. A batch of loss scales then backs off one
+# (jax 0.10.2), an array of two or more elements divided by a scalar that is
+# broadcast to it is rounded as a multiplication by the reciprocal. Under
+# `vmap` the scale is such an array and the multiplier is broadcast after
+# `exact_div`'s optimization barrier, so a batch of loss scales backs off one
 # ulp away from TensorFlow where the quotient is inexact (multipliers 1.5 and
 # 10 here; multiplier 3 happens not to round differently in the traced runs).
 _VMAP_INEXACT = (
@@ -307,9 +308,7 @@ def test_loss_scale_optimizer_skips_and_scales_as_tensorflow(run):
   np.testing.assert_array_equal(applies, want_applies)
   assert int(state.skipped_steps) == int(np.sum(~want_applies))
   # Only the applied steps moved the parameters.
-  applied = [
-    g for s in run["steps"] if s["should_apply"] for g in [trace_grads(s)]
-  ]
+  applied = [trace_grads(s) for s in run["steps"] if s["should_apply"]]
   if applied:
     want = -np.sum(np.array(applied, np.float32), axis=0)
     np.testing.assert_allclose(np.array(params), want, rtol=1e-5, atol=1e-6)
