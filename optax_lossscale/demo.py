@@ -34,7 +34,11 @@ first 100 steps with TensorFlow's defaults (`DynamicLossScale()` through
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib
+import os
+import pathlib
+import platform
 import sys
 import time
 from collections.abc import Sequence
@@ -431,6 +435,19 @@ def _table(results: list[dict[str, Any]]) -> str:
   return "\n".join(lines)
 
 
+def _write_table(table: str, argv: Sequence[str], png: str) -> str:
+  """Writes the table beside the plot, with its command, machine and date."""
+  path = pathlib.Path(png).with_suffix(".txt")
+  command = " ".join(["python -m optax_lossscale.demo", *argv])
+  machine = (
+    f"{platform.machine()} {jax.default_backend()}, {os.cpu_count()} cores;"
+    f" jax {jax.__version__}, optax {optax.__version__}"
+  )
+  date = datetime.date.today().isoformat()
+  path.write_text(f"{command}\n{machine}\n{date}\n\n{table}\n")
+  return str(path)
+
+
 def _plot(
   results: list[dict[str, Any]], faults: list[dict[str, Any]], path: str
 ) -> None:
@@ -496,7 +513,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   parser.add_argument(
     "--out",
     default="lossscale_demo.png",
-    help="where to write the plot (default: %(default)s)",
+    help="where to write the plot; the table goes beside it, as .txt"
+    " (default: %(default)s)",
   )
   args = parser.parse_args(argv)
   if args.steps < 1 or args.batch_size < 1:
@@ -520,14 +538,17 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   start = time.perf_counter()
   data = _load_digits(args.seed)
   results = [train(name, dtype, ls, data, args) for name, dtype, ls in RUNS]
+  table = _table(results)
   print()
-  print(_table(results))
+  print(table)
   faults = [failure_modes(h, data, args) for h in (1, 2)]
   dropped = dropped_batches(data, args)
   print(_failure_text(faults, dropped))
   _plot(results, faults, args.out)
+  text = _write_table(table, sys.argv[1:] if argv is None else argv, args.out)
   print(
-    f"\nPlot written to {args.out}; {time.perf_counter() - start:.0f} s in all."
+    f"\nPlot written to {args.out}, table to {text};"
+    f" {time.perf_counter() - start:.0f} s in all."
   )
   return results
 

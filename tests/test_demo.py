@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import builtins
 import importlib
+import pathlib
 import re
 
 import pytest
@@ -21,6 +22,12 @@ def test_demo_runs_and_writes_a_png(tmp_path, capsys, monkeypatch):
     ["--steps", "15", "--batch-size", "32", "--seed", "1", "--out", str(out)]
   )
   assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  command, machine, date, blank, *table = (
+    out.with_suffix(".txt").read_text().splitlines()
+  )
+  assert command.startswith("python -m optax_lossscale.demo --steps 15")
+  assert "cores" in machine and re.fullmatch(r"\d{4}-\d\d-\d\d", date)
+  assert blank == "" and table[0].startswith("run") and len(table) == 6
   assert [r["name"] for r in results] == [name for name, _, _ in demo.RUNS]
   for r in results:
     assert len(r["history"]["loss"]) == 15
@@ -99,3 +106,16 @@ def test_demo_names_the_extra_when_a_dependency_is_missing(monkeypatch):
 def test_demo_rejects_non_positive_steps():
   with pytest.raises(SystemExit):
     demo.main(["--steps", "0"])
+
+
+def test_the_readme_shows_the_table_the_demo_wrote():
+  # The README's demo table is the one the demo wrote beside the committed
+  # plot (`python -m optax_lossscale.demo --out docs/lossscale_demo.png`).
+  root = pathlib.Path(__file__).resolve().parent.parent
+  written = (root / "docs" / "lossscale_demo.txt").read_text().splitlines()
+  assert written[0] == (
+    "python -m optax_lossscale.demo --out docs/lossscale_demo.png"
+  )
+  readme = (root / "README.md").read_text()
+  shown = readme.split("<!-- demo-table -->\n```text\n")[1].split("```")[0]
+  assert shown.splitlines() == written  # command, machine, date, table
