@@ -317,7 +317,10 @@ def select_tree(pred: Any, a: T, b: T) -> T:
   jmp's `select_tree`, with the same values, as one `lax.cond` over the whole
   trees instead of one `lax.select` per leaf: it compiles in a small fraction
   of the time at hundreds of leaves. Under `vmap` with a batched `pred`, JAX
-  turns the `cond` into a select, with a select's values.
+  turns the `cond` into a select, with a select's values. Inside
+  `jax.shard_map`, `a` and `b` may vary along different mesh axes, as
+  `lax.select`'s inputs may: each result varies along the axes of `pred` and
+  of both inputs, as jmp's does.
 
   Args:
     pred: a bool scalar (a Python bool is accepted).
@@ -343,9 +346,46 @@ def select_tree(pred: Any, a: T, b: T) -> T:
   is_bool = isinstance(pred, bool) or getattr(pred, "dtype", None) == np.bool_
   if not is_bool or np.ndim(pred) != 0:
     raise AssertionError("expected boolean scalar")
-  chosen = lax.cond(pred, _first, _second, a, b)
+  # Inside `shard_map`, the leaves vary along the axes that `lax.select`'s
+  # would: those of `pred` and of both inputs.
+  pred_axes = _varying_axes(pred)
+  axes = jax.tree.map(
+    lambda x, y: pred_axes | _varying_axes(x) | _varying_axes(y), a, b
+  )
+  chosen = lax.cond(
+    pred,
+    _first,
+    _second,
+    jax.tree.map(_to_varying, a, axes),
+    jax.tree.map(_to_varying, b, axes),
+  )
   result: T = jax.tree.map(_weak_as_select, chosen, a, b)
   return result
+
+
+def _varying_axes(x: Any) -> frozenset[Any]:
+  """The `shard_map` axes along which `x` varies (none outside `shard_map`)."""
+  aval = jax.typeof(x)
+  manual = getattr(aval, "manual_axis_type", None)  # JAX 0.10 and later
+  axes: frozenset[Any] = (
+    manual.varying if manual is not None else getattr(aval, "vma", frozenset())
+  )
+  return axes
+
+
+def _to_varying(x: Any, axes: frozenset[Any]) -> Any:
+  """`x`, marked as varying along `axes` too (no data moves).
+
+  Inside `shard_map`, both branches of a `cond` must vary along the same
+  axes.
+  """
+  missing = tuple(sorted(axes - _varying_axes(x), key=str))
+  if not missing:
+    return x
+  if hasattr(lax, "pcast"):
+    return lax.pcast(x, missing, to="varying")
+  # Its name in JAX 0.6 to 0.7:
+  return lax.pvary(x, missing)  # type: ignore[attr-defined]
 
 
 def _weak_as_select(chosen: jax.Array, x: Any, y: Any) -> jax.Array:
