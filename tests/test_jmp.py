@@ -10,7 +10,10 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import os
 import pathlib
+import subprocess
+import sys
 import warnings
 
 import chex
@@ -106,6 +109,29 @@ def test_signatures_match_the_installed_jmp(real_jmp):
     for key, param in theirs.items():
       if param.default is not inspect.Parameter.empty:
         assert ours[key].default == param.default, (name, key)
+
+
+def test_jmps_own_tests_pass_against_this_module(real_jmp, tmp_path):
+  # jmp's 97 tests, with only their import line changed, under their own
+  # (standard) promotion rather than this suite's strict one.
+  source = pathlib.Path(real_jmp.__file__).parent / "_src"
+  for module in ["loss_scale", "policy"]:
+    text = (source / f"{module}_test.py").read_text()
+    line = f"from jmp._src import {module} as jmp\n"
+    assert line in text
+    ours = text.replace(line, "from optax_lossscale import jmp\n")
+    (tmp_path / f"{module}_test.py").write_text(ours)
+  root = pathlib.Path(__file__).resolve().parent.parent
+  result = subprocess.run(
+    [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "."],
+    cwd=tmp_path,
+    env=dict(os.environ, PYTHONPATH=str(root), JAX_PLATFORMS="cpu"),
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert "97 passed" in result.stdout.splitlines()[-1], result.stdout
 
 
 def test_the_module_does_not_import_jmp():
@@ -326,6 +352,72 @@ def test_lowers_ahead_of_time_and_maps_to_placeholders():
   assert shapes.loss_scale.dtype == jnp.float32
 
 
+def _floor_under_jit(jmp, scale):
+  return jax.jit(lambda x: jmp.DynamicLossScale(x, min_loss_scale=x / 2))(scale)
+
+
+def test_a_floor_built_under_jit_is_a_leaf_and_is_kept(real_jmp):
+  ls = _floor_under_jit(jmp, jnp.float32(8.0))
+  assert jax.tree.leaves(ls) == [8.0, 0, 4.0]
+  paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(ls)[0]]
+  assert paths == [(jax.tree_util.FlattenedIndexKey(i),) for i in range(3)]
+  step = jax.jit(lambda ls: ls.adjust(jnp.bool_(False)))
+  theirs = _floor_under_jit(real_jmp, jnp.float32(8.0))  # jmp accepts it ...
+  for _ in range(3):
+    ls, theirs = step(ls), step(theirs)
+  assert float(ls.loss_scale) == 4.0 and float(ls.min_loss_scale) == 4.0
+  assert float(theirs.loss_scale) == 1.0  # ... and loses it
+  carried, scales = lax.scan(
+    lambda c, f: (c.adjust(f), c.adjust(f).loss_scale),
+    _floor_under_jit(jmp, jnp.float32(16.0)),
+    jnp.zeros(3, bool),
+  )
+  np.testing.assert_array_equal(scales, [8.0, 8.0, 8.0])
+  assert jax.tree.structure(carried) == jax.tree.structure(ls)
+
+
+def test_a_floor_built_under_pmap_is_replicated_with_the_state():
+  # Haiku's ImageNet example builds its train state with `pmap(initial_state)`.
+  n = jax.local_device_count()
+  ls = jax.pmap(lambda x: jmp.DynamicLossScale(x, min_loss_scale=x / 4))(
+    jnp.full((n,), 8.0, jnp.float32)
+  )
+  assert ls.min_loss_scale.shape == (n,)
+  step = jax.pmap(lambda ls: ls.adjust(jnp.bool_(False)))
+  for _ in range(4):
+    ls = step(ls)
+  np.testing.assert_array_equal(ls.loss_scale, np.full(n, 2.0, np.float32))
+  np.testing.assert_array_equal(ls.min_loss_scale, np.full(n, 2.0, np.float32))
+  new = jmp.to_loss_scale(jax.tree.map(lambda x: x[0], ls))
+  assert float(new()) == 2.0 and new.min_loss_scale == 2.0
+
+
+def test_a_numpy_or_python_floor_keeps_jmps_two_leaves():
+  for floor in [np.float32(0.5), 0.5, np.ones([], np.float32)]:
+    ls = jmp.DynamicLossScale(jnp.float32(2.0), min_loss_scale=floor)
+    assert len(jax.tree.leaves(ls)) == 2
+  array_floor = jmp.DynamicLossScale(
+    jnp.float32(2.0), min_loss_scale=jnp.float32(0.5)
+  )
+  assert len(jax.tree.leaves(array_floor)) == 3
+
+
+def test_a_floor_leaf_stays_a_leaf_whatever_it_holds():
+  # Placeholders, restored NumPy arrays and abstract targets keep the layout.
+  ls = _floor_under_jit(jmp, jnp.float32(8.0))
+  for mapped in [
+    jax.tree.map(lambda x: None, ls),
+    jax.tree.map(np.asarray, ls),
+    jax.tree.map(lambda x: object(), ls),
+    jax.eval_shape(lambda: ls),
+  ]:
+    structure = jax.tree.structure(mapped, is_leaf=lambda x: x is None)
+    assert structure == jax.tree.structure(ls)
+  abstract = jax.eval_shape(lambda: ls)
+  step = jax.jit(lambda ls: ls.adjust(jnp.bool_(False)))
+  assert float(step.lower(abstract).compile()(ls).min_loss_scale) == 4.0
+
+
 def test_orbax_saves_and_restores_every_field(tmp_path):
   ocp = pytest.importorskip("orbax.checkpoint")
   ls = jmp.DynamicLossScale(
@@ -346,11 +438,28 @@ def test_orbax_saves_and_restores_every_field(tmp_path):
   assert _hyperparameters(restored) == (10, 2, 0.5)
 
 
+def test_orbax_restores_a_floor_leaf_into_an_abstract_target(tmp_path):
+  ocp = pytest.importorskip("orbax.checkpoint")
+  ls = _floor_under_jit(jmp, jnp.float32(2.0**13)).adjust(jnp.bool_(False))
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    with ocp.StandardCheckpointer() as checkpointer:
+      checkpointer.save(tmp_path / "ckpt", ls)
+    # The target built as the state was, abstractly.
+    target = jax.eval_shape(lambda: _floor_under_jit(jmp, jnp.float32(1.0)))
+    with ocp.StandardCheckpointer() as checkpointer:
+      restored = checkpointer.restore(tmp_path / "ckpt", target)
+  assert jax.tree.structure(restored) == jax.tree.structure(ls)
+  assert float(restored.loss_scale) == 2.0**12
+  assert float(restored.min_loss_scale) == 2.0**12
+
+
 def test_static_hyperparameters_must_be_concrete():
-  with pytest.raises(TypeError, match="min_loss_scale"):
-    jax.jit(lambda m: jmp.DynamicLossScale(jnp.float32(2.0), min_loss_scale=m))(
-      jnp.float32(0.5)
-    )
+  for name in ["period", "factor"]:
+    with pytest.raises(TypeError, match=rf"DynamicLossScale\({name}=...\)"):
+      jax.jit(
+        lambda v, name=name: jmp.DynamicLossScale(jnp.float32(2.0), **{name: v})
+      )(jnp.float32(2.0))
   with pytest.raises(
     ValueError, match=r"period=...\)` must be positive, got 0"
   ):
