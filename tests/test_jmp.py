@@ -12,6 +12,7 @@ import dataclasses
 import inspect
 import os
 import pathlib
+import pickle
 import subprocess
 import sys
 import warnings
@@ -826,6 +827,45 @@ def test_to_loss_scale_refuses_other_types_naming_the_argument():
     jax.jit(jmp.to_loss_scale)(jmp.DynamicLossScale(jnp.float32(2.0)))
 
 
+def test_to_loss_scale_takes_one_replica_of_a_pmap_state(real_jmp):
+  n = jax.local_device_count()
+  for module in [jmp, real_jmp]:
+    replicated = jax.pmap(
+      lambda s, module=module: module.DynamicLossScale(s, period=10).adjust(
+        jnp.bool_(True)
+      )
+    )(jnp.full((n,), 2.0**12, jnp.float32))
+    with pytest.raises(ValueError, match=r"jax.tree.map\(lambda x: x\[0\]"):
+      jmp.to_loss_scale(replicated)
+    new = jmp.to_loss_scale(jax.tree.map(lambda x: x[0], replicated))
+    assert float(new()) == 2.0**12 and int(new.num_good_steps) == 1
+    assert new.increment_period == 10
+
+
+def test_a_pickled_jmp_state_carries_over_by_unflattening(real_jmp):
+  # A training state pickled with jmp (unpickling needs jmp installed): its
+  # leaves go into a template built with this module, in jmp's leaf order.
+  old = real_jmp.DynamicLossScale(jnp.float32(2.0**10), jnp.int32(0), 3, 2)
+  for finite in [True, True, False, True]:
+    old = old.adjust(jnp.bool_(finite))
+  pickled = pickle.dumps({"step": np.int32(4), "loss_scale": old})
+  restored = pickle.loads(pickled)
+  assert type(restored["loss_scale"]) is real_jmp.DynamicLossScale
+  template = {
+    "step": np.int32(0),
+    "loss_scale": jmp.DynamicLossScale(jnp.float32(1.0), period=3, factor=2),
+  }
+  state = jax.tree.unflatten(
+    jax.tree.structure(template), jax.tree.leaves(restored)
+  )
+  ours = state["loss_scale"]
+  assert type(ours) is jmp.DynamicLossScale and int(state["step"]) == 4
+  assert _bits(ours.loss_scale) == _bits(old.loss_scale)
+  assert int(ours.counter) == int(old.counter) == 1
+  steps = _steps(5, 30)
+  assert _trace(ours, steps)[0] == _trace(old, steps)[0]
+
+
 # --- a jmp training program, swapped and ported -------------------------------------------
 
 X = jax.random.normal(jax.random.key(0), (64, 8))
@@ -967,6 +1007,60 @@ def test_haiku_takes_the_policy(standard_promotion):
   assert params["probe"]["w"].dtype == jnp.float32
   assert seen[-2:] == [jnp.float16, jnp.float16]
   assert out.dtype == jnp.float32
+
+
+def _haiku_batch_norm_model(hk):
+  def forward(x, is_training):
+    x = hk.Linear(16)(x)
+    x = hk.BatchNorm(True, True, decay_rate=0.9)(x, is_training)
+    return hk.Linear(1)(jax.nn.relu(x))
+
+  return hk.transform_with_state(forward)
+
+
+def test_haiku_state_is_kept_on_a_skipped_step_as_the_docs_write_it(
+  standard_promotion,
+):
+  # docs/jmp.md: Haiku's state (BatchNorm statistics) is not the optimizer's,
+  # so the step keeps it with the optimizer state's `should_apply`.
+  del standard_promotion
+  hk = pytest.importorskip("haiku")
+  model = _haiku_batch_norm_model(hk)
+  tx = ols.LossScaleOptimizer(optax.adam(1e-3), ols.DynamicLossScale(2.0**15))
+
+  def loss_fn(params, state, x, y):
+    out, state = model.apply(params, state, None, x, is_training=True)
+    return jnp.mean((out - y) ** 2), state
+
+  @jax.jit
+  def train_step(params, state, opt_state, x, y):
+    grad_fn = ols.scaled_value_and_grad(loss_fn, has_aux=True)
+    (loss, new_state), grads = grad_fn(opt_state, params, state, x, y)
+    params, opt_state = tx.apply_gradients(grads, opt_state, params, value=loss)
+    state = jmp.select_tree(opt_state.should_apply, new_state, state)
+    return params, state, opt_state
+
+  hk.mixed_precision.set_policy(hk.Linear, jmp.get_policy("p=f32,c=f16,o=f32"))
+  try:
+    x = jax.random.normal(jax.random.key(0), (32, 8))
+    y = jnp.sum(x, axis=1, keepdims=True)
+    params, state = model.init(jax.random.key(1), x, True)
+    opt_state = tx.init(params)
+    params, state, opt_state = train_step(params, state, opt_state, x, y)
+    assert bool(opt_state.should_apply)
+    # A float16 overflow in the forward pass: the batch's statistics are not
+    # finite, and so are not the moving averages that step computes.
+    overflow = x.at[0, 0].set(1e6)
+    _, new_state = loss_fn(params, state, overflow, y)
+    assert not all(jax.tree.leaves(jax.tree.map(ols.all_finite, new_state)))
+    skipped = train_step(params, state, opt_state, overflow, y)
+  finally:
+    hk.mixed_precision.clear_policy(hk.Linear)
+  assert not bool(skipped[2].should_apply)
+  assert int(skipped[2].skipped_steps) == 1
+  chex.assert_trees_all_equal(skipped[1], state)
+  assert all(jax.tree.leaves(jax.tree.map(ols.all_finite, skipped[1])))
+  chex.assert_trees_all_equal(skipped[0], params)
 
 
 def test_dtype_to_names_is_jmps_table_and_str_uses_its_first_names():
