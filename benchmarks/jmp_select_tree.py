@@ -24,6 +24,7 @@ extra).
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import platform
 import resource
@@ -227,7 +228,8 @@ def main() -> None:
   header = (
     f"jax {jax.__version__}, optax {optax.__version__}, jmp"
     f" {deepmind_jmp.__version__}, {jax.devices()[0].platform}"
-    f" ({platform.machine()}, {jax.local_device_count()} device(s)), python"
+    f" ({platform.machine()}, {os.cpu_count()} CPU cores,"
+    f" {jax.local_device_count()} device(s)), python"
     f" {platform.python_version()}"
   )
   print(header)
@@ -256,10 +258,19 @@ def write(header: str, args: Any, compiles: Any, runs: Any) -> None:
     "",
     f"Reproduce: `{command}`",
     "",
+    "What these figures are: compile and step times of jmp's own update"
+    " pattern, written once and run with each module, on one XLA:CPU"
+    " machine (above). The ratios are for the steps described here, whose"
+    " cost is dominated by jmp's per-leaf work; they are not a model's. In a"
+    " step whose own forward and backward pass dominate, the difference is"
+    " far smaller: see `benchmarks/JMP_HAIKU.md` (a Haiku ResNet-18 step,"
+    " `python benchmarks/jmp_haiku_resnet.py`).",
+    "",
     "## `select_tree`: compile time of jmp's update step",
     "",
-    "Unscale, `all_finite`, `adjust`, Adam and `select_tree` over the"
-    " parameters and Adam's state, on leaves of 1,000 float32 parameters"
+    "The update step alone, with the gradients given (no model): unscale,"
+    " `all_finite`, `adjust`, Adam and `select_tree` over the parameters"
+    " and Adam's state, on leaves of 1,000 float32 parameters"
     " (`select_tree` picks among 3x as many leaves). First compiles only"
     " (trace, lower and compile), the median over the repeats; jmp above"
     " 100 leaves is compiled once.",
@@ -290,7 +301,9 @@ def write(header: str, args: Any, compiles: Any, runs: Any) -> None:
     f"A float16 MLP with float32 master weights: {depth} residual layers"
     f" of width {args.width} ({2 * depth} parameter leaves, {6 * depth}"
     " leaves selected), batch 32, Adam; parameters and state donated."
-    " Step time: the median of each round's median, rounds in turns.",
+    " A cheap model with many leaves, so jmp's per-leaf work weighs much."
+    " Compile: one first compile each. Step time: the median of each"
+    " round's median, rounds in turns.",
     "",
     "| configuration | compile (s) | step (ms) |",
     "|---|---|---|",

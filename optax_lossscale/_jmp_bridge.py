@@ -41,7 +41,21 @@ def _field(loss_scale: Any, name: str) -> float:
   return _validation.scalar(_CALL, f"loss_scale.{name}", value)
 
 
+def _one_replica(ls: Any) -> None:
+  """Refuses a state with a leading replica axis, saying how to pick one."""
+  for name in ("loss_scale", "counter"):
+    value = getattr(ls, name)
+    if np.ndim(value) != 0:
+      raise ValueError(
+        f"`{_CALL}(loss_scale)`: its {name} must be a scalar, got an array of"
+        f" shape {np.shape(value)}. A loss scale returned by `pmap` has one"
+        " copy per replica: pass one replica,"
+        " `jax.tree.map(lambda x: x[0], loss_scale)`."
+      )
+
+
 def _dynamic(ls: Any) -> _loss_scale.DynamicLossScale:
+  _one_replica(ls)
   period_value = _field(ls, "period")
   if not period_value.is_integer() or period_value < 1:
     raise ValueError(
@@ -108,7 +122,9 @@ def to_loss_scale(loss_scale: Any) -> _loss_scale.LossScale:
   - `StaticLossScale(s)` becomes `ols.FixedLossScale(s)`.
   - `NoOpLossScale()` becomes `ols.NoOpLossScale()`.
 
-  Call it outside `jit`: it reads the state's values.
+  Call it outside `jit`: it reads the state's values. A loss scale
+  replicated by `pmap` (each leaf with a leading replica axis) is refused:
+  pass one replica, `jax.tree.map(lambda x: x[0], loss_scale)`.
 
   Args:
     loss_scale: a jmp loss scale.
@@ -123,7 +139,8 @@ def to_loss_scale(loss_scale: Any) -> _loss_scale.LossScale:
       that is not a positive integer, a factor of at most 1, a floor of at
       most 0, a scale below its floor or not finite in float32, or a counter
       outside `[0, period)` (a `StaticLossScale` below 1 is refused by
-      `ols.FixedLossScale`). Values are never clipped.
+      `ols.FixedLossScale`), or a state with a replica axis. Values are never
+      clipped.
 
   Examples:
     >>> import jax.numpy as jnp

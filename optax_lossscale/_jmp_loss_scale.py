@@ -160,11 +160,15 @@ class DynamicLossScale:
       loss_scale = max(min_loss_scale, loss_scale / factor)
       counter = 0
 
-  The pytree leaves are `[loss_scale, counter]`, as in jmp; `period`,
-  `factor` and `min_loss_scale` are static, and survive `jax.tree.map`,
-  `jit`, `lax.scan` and `jax.tree.unflatten` (jmp forgets
-  `min_loss_scale`). Results are jmp's eager ones bit for bit, with and without
-  `jit`, and whatever `jax_numpy_dtype_promotion` says.
+  The pytree leaves are `[loss_scale, counter]`, as in jmp; `period` and
+  `factor` are static, and so is `min_loss_scale` when it is a NumPy or
+  Python number (jmp's default is `np.ones([], np.float32)`). A floor that
+  is a JAX array, such as one built inside `jit` or `pmap`
+  (`DynamicLossScale(x, min_loss_scale=x / 2)`), is a third leaf, mapped and
+  replicated with the state. All of them survive `jax.tree.map`, `jit`,
+  `pmap`, `lax.scan` and `jax.tree.unflatten` (jmp forgets `min_loss_scale`).
+  Results are jmp's eager ones bit for bit, with and without `jit`, and
+  whatever `jax_numpy_dtype_promotion` says.
 
   Args:
     loss_scale: the current scale, a floating-point scalar (a Python float
@@ -174,11 +178,12 @@ class DynamicLossScale:
       changed, an int32 scalar in `[0, period)`.
     period: how many consecutive finite steps grow the scale.
     factor: the growth and backoff factor.
-    min_loss_scale: the floor of the scale, a concrete floating-point scalar
-      (it is static). Any positive floor is kept, also below 1.
+    min_loss_scale: the floor of the scale, a floating-point scalar: static
+      as a NumPy or Python number, a leaf as a JAX array. Any positive floor
+      is kept, also below 1.
 
   Raises:
-    TypeError: if `period`, `factor` or `min_loss_scale` is a traced value.
+    TypeError: if `period` or `factor` is a traced value.
     ValueError: if `period` or `factor` is not positive.
 
   Warns:
@@ -201,6 +206,14 @@ class DynamicLossScale:
     2.0 0
     1.0 0
     0.5 0
+
+    A floor built under `jit` is a third leaf, and is kept:
+
+    >>> import jax
+    >>> init = jax.jit(lambda s: jmp.DynamicLossScale(s, min_loss_scale=s / 4))
+    >>> loss_scale = init(jnp.float32(8.0))
+    >>> len(jax.tree.leaves(loss_scale)), float(loss_scale.min_loss_scale)
+    (3, 2.0)
   """
 
   loss_scale: Any
@@ -212,12 +225,19 @@ class DynamicLossScale:
   min_loss_scale: Any = dataclasses.field(
     default_factory=lambda: np.ones([], np.float32)
   )
+  # Whether `min_loss_scale` is a pytree leaf: a JAX array (traced under
+  # `jit` or `pmap` included) is; a NumPy or Python floor is static.
+  _floor_is_leaf: bool = dataclasses.field(
+    init=False, repr=False, compare=False
+  )
 
   def __post_init__(self) -> None:
     # Runs on every unflattening too, with whatever leaves it is given.
     _warn_if_not_floating(self.loss_scale, "loss_scale")
     _warn_if_not_floating(self.min_loss_scale, "min_loss_scale")
-    for name in ("period", "factor", "min_loss_scale"):
+    floor_is_leaf = isinstance(self.min_loss_scale, jax.Array)
+    object.__setattr__(self, "_floor_is_leaf", floor_is_leaf)
+    for name in ("period", "factor"):
       value = getattr(self, name)
       if isinstance(value, jax.core.Tracer):
         raise TypeError(
@@ -225,8 +245,6 @@ class DynamicLossScale:
           " static, part of the pytree structure), got a traced value; build"
           " the loss scale outside `jit`, or pass it in."
         )
-    for name in ("period", "factor"):
-      value = getattr(self, name)
       if isinstance(value, (int, float, np.number)) and not value > 0:
         raise ValueError(
           f"`DynamicLossScale({name}=...)` must be positive, got {value!r}."
@@ -279,20 +297,34 @@ class DynamicLossScale:
 
 def _flatten_dynamic(
   ls: DynamicLossScale,
-) -> tuple[tuple[Any, Any], tuple[Any, Any, Any]]:
+) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+  """jmp's leaves, `[loss_scale, counter]`, and the floor where it is a leaf.
+
+  The static part has the floor exactly when the leaves do not.
+  """
+  if ls._floor_is_leaf:
+    leaves = (ls.loss_scale, ls.counter, ls.min_loss_scale)
+    return leaves, (ls.period, ls.factor)
   return (ls.loss_scale, ls.counter), (ls.period, ls.factor, ls.min_loss_scale)
 
 
 def _unflatten_dynamic(
-  static: tuple[Any, Any, Any], leaves: Any
+  static: tuple[Any, ...], leaves: Any
 ) -> DynamicLossScale:
-  loss_scale, counter = leaves
-  period, factor, min_loss_scale = static
-  return DynamicLossScale(loss_scale, counter, period, factor, min_loss_scale)
+  if len(static) == 3:
+    (loss_scale, counter), (period, factor, floor) = leaves, static
+    return DynamicLossScale(loss_scale, counter, period, factor, floor)
+  (loss_scale, counter, floor), (period, factor) = leaves, static
+  ls = DynamicLossScale(loss_scale, counter, period, factor, floor)
+  # A leaf stays a leaf whatever it holds (None, `jax.ShapeDtypeStruct`,
+  # a NumPy array from a checkpoint): the structure is the tree's own.
+  object.__setattr__(ls, "_floor_is_leaf", True)
+  return ls
 
 
 # Registered without keys, as jmp registers it: a leaf's key path is its index
-# ([0], [1]), so checkpoints written by jmp restore into this class.
+# ([0], [1], and [2] for a floor that is a leaf), so checkpoints written by
+# jmp restore into this class.
 jax.tree_util.register_pytree_node(
   DynamicLossScale, _flatten_dynamic, _unflatten_dynamic
 )
@@ -317,7 +349,10 @@ def select_tree(pred: Any, a: T, b: T) -> T:
   jmp's `select_tree`, with the same values, as one `lax.cond` over the whole
   trees instead of one `lax.select` per leaf: it compiles in a small fraction
   of the time at hundreds of leaves. Under `vmap` with a batched `pred`, JAX
-  turns the `cond` into a select, with a select's values.
+  turns the `cond` into a select, with a select's values. Inside
+  `jax.shard_map`, `a` and `b` may vary along different mesh axes, as
+  `lax.select`'s inputs may: each result varies along the axes of `pred` and
+  of both inputs, as jmp's does.
 
   Args:
     pred: a bool scalar (a Python bool is accepted).
@@ -343,9 +378,46 @@ def select_tree(pred: Any, a: T, b: T) -> T:
   is_bool = isinstance(pred, bool) or getattr(pred, "dtype", None) == np.bool_
   if not is_bool or np.ndim(pred) != 0:
     raise AssertionError("expected boolean scalar")
-  chosen = lax.cond(pred, _first, _second, a, b)
+  # Inside `shard_map`, the leaves vary along the axes that `lax.select`'s
+  # would: those of `pred` and of both inputs.
+  pred_axes = _varying_axes(pred)
+  axes = jax.tree.map(
+    lambda x, y: pred_axes | _varying_axes(x) | _varying_axes(y), a, b
+  )
+  chosen = lax.cond(
+    pred,
+    _first,
+    _second,
+    jax.tree.map(_to_varying, a, axes),
+    jax.tree.map(_to_varying, b, axes),
+  )
   result: T = jax.tree.map(_weak_as_select, chosen, a, b)
   return result
+
+
+def _varying_axes(x: Any) -> frozenset[Any]:
+  """The `shard_map` axes along which `x` varies (none outside `shard_map`)."""
+  aval = jax.typeof(x)
+  manual = getattr(aval, "manual_axis_type", None)  # JAX 0.10 and later
+  axes: frozenset[Any] = (
+    manual.varying if manual is not None else getattr(aval, "vma", frozenset())
+  )
+  return axes
+
+
+def _to_varying(x: Any, axes: frozenset[Any]) -> Any:
+  """`x`, marked as varying along `axes` too (no data moves).
+
+  Inside `shard_map`, both branches of a `cond` must vary along the same
+  axes.
+  """
+  missing = tuple(sorted(axes - _varying_axes(x), key=str))
+  if not missing:
+    return x
+  if hasattr(lax, "pcast"):
+    return lax.pcast(x, missing, to="varying")
+  # Its name in earlier JAX:
+  return lax.pvary(x, missing)  # type: ignore[attr-defined]
 
 
 def _weak_as_select(chosen: jax.Array, x: Any, y: Any) -> jax.Array:

@@ -570,6 +570,87 @@ def check_vmap_members_sharded():
     )
 
 
+def _aval(x):
+  """What `select_tree` must agree on with jmp: its type, varying axes too."""
+  t = jax.typeof(x)
+  return t.shape, t.dtype, t.weak_type, t.manual_axis_type.varying
+
+
+def _vary_over(x, axes):
+  """`x` marked varying along every one of `axes` it does not vary along."""
+  have = jax.typeof(x).manual_axis_type.varying
+  missing = tuple(a for a in axes if a not in have)
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def check_jmp_select_tree_in_shard_map():
+  # jmp's `select_tree` is a `lax.select` per leaf, which takes leaves that
+  # vary along different mesh axes; so does ours (one `cond`), with the same
+  # values, dtypes, weak types and varying axes.
+  from optax_lossscale import jmp
+
+  try:
+    import jmp as reference
+  except ImportError:  # jmp's `select_tree`, as jmp writes it
+    reference = None
+  mesh = _mesh((2, 4), ("x", "y"))
+  axes = ("x", "y")
+  u = jax.device_put(jnp.arange(6.0) - 2.0, NamedSharding(mesh, P("x")))
+  v = jax.device_put(jnp.arange(12.0) * 10, NamedSharding(mesh, P("y")))
+  w = jax.device_put(jnp.ones(3) * 7, NamedSharding(mesh, P()))
+
+  def trees(u, v, w):
+    a = {"u": u, "v": v, "w": w, "h": w.astype(jnp.float16), "k": 2.0}
+    b = {"u": w, "v": u * 2, "w": v, "h": v.astype(jnp.float16), "k": 3.0}
+    return a, b
+
+  results = {}
+  for pred_name in ["invariant", "varying"]:
+
+    @jax.jit
+    @partial(
+      jax.shard_map,
+      mesh=mesh,
+      in_specs=(P("x"), P("y"), P()),
+      out_specs=P(axes),
+    )
+    def select(u, v, w, pred_name=pred_name):
+      pred = jnp.sum(w) > 0 if pred_name == "invariant" else jnp.sum(u) > 0
+      a, b = trees(u, v, w)
+      ours = jmp.select_tree(pred, a, b)
+      expected = jax.tree.map(partial(jax.lax.select, pred), a, b)
+      if reference is not None:
+        theirs = reference.select_tree(pred, a, b)
+        for t, e in zip(
+          jax.tree.leaves(theirs), jax.tree.leaves(expected), strict=True
+        ):
+          assert _aval(t) == _aval(e), (_aval(t), _aval(e))
+      for o, e in zip(
+        jax.tree.leaves(ours), jax.tree.leaves(expected), strict=True
+      ):
+        assert _aval(o) == _aval(e), (pred_name, _aval(o), _aval(e))
+      out = (ours, expected)
+      return jax.tree.map(lambda x: _vary_over(jnp.atleast_1d(x), axes), out)
+
+    ours, expected = select(u, v, w)
+    assert jax.tree.structure(ours) == jax.tree.structure(expected)
+    for o, e in zip(
+      jax.tree.leaves(ours), jax.tree.leaves(expected), strict=True
+    ):
+      assert o.dtype == e.dtype, (o, e)
+      np.testing.assert_array_equal(np.asarray(o), np.asarray(e))
+    results[pred_name] = ours
+  # The invariant predicate is True: `a` everywhere. The varying one is
+  # False on the devices whose shard of `u` sums to at most 0.
+  np.testing.assert_array_equal(
+    np.asarray(results["invariant"]["u"]).reshape(8, 3)[::4],
+    np.arange(6.0).reshape(2, 3) - 2.0,
+  )
+  varying_u = np.asarray(results["varying"]["u"]).reshape(2, 4, 3)
+  np.testing.assert_array_equal(varying_u[0], 7.0)  # sum(-2, -1, 0) <= 0
+  np.testing.assert_array_equal(varying_u[1], [[1.0, 2.0, 3.0]] * 4)
+
+
 if __name__ == "__main__":
   for arg in sys.argv[1:]:
     name, _, axes = arg.partition(":")

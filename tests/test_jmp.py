@@ -10,7 +10,11 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import os
 import pathlib
+import pickle
+import subprocess
+import sys
 import warnings
 
 import chex
@@ -106,6 +110,29 @@ def test_signatures_match_the_installed_jmp(real_jmp):
     for key, param in theirs.items():
       if param.default is not inspect.Parameter.empty:
         assert ours[key].default == param.default, (name, key)
+
+
+def test_jmps_own_tests_pass_against_this_module(real_jmp, tmp_path):
+  # jmp's 97 tests, with only their import line changed, under their own
+  # (standard) promotion rather than this suite's strict one.
+  source = pathlib.Path(real_jmp.__file__).parent / "_src"
+  for module in ["loss_scale", "policy"]:
+    text = (source / f"{module}_test.py").read_text()
+    line = f"from jmp._src import {module} as jmp\n"
+    assert line in text
+    ours = text.replace(line, "from optax_lossscale import jmp\n")
+    (tmp_path / f"{module}_test.py").write_text(ours)
+  root = pathlib.Path(__file__).resolve().parent.parent
+  result = subprocess.run(
+    [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "."],
+    cwd=tmp_path,
+    env=dict(os.environ, PYTHONPATH=str(root), JAX_PLATFORMS="cpu"),
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert "97 passed" in result.stdout.splitlines()[-1], result.stdout
 
 
 def test_the_module_does_not_import_jmp():
@@ -326,6 +353,72 @@ def test_lowers_ahead_of_time_and_maps_to_placeholders():
   assert shapes.loss_scale.dtype == jnp.float32
 
 
+def _floor_under_jit(jmp, scale):
+  return jax.jit(lambda x: jmp.DynamicLossScale(x, min_loss_scale=x / 2))(scale)
+
+
+def test_a_floor_built_under_jit_is_a_leaf_and_is_kept(real_jmp):
+  ls = _floor_under_jit(jmp, jnp.float32(8.0))
+  assert jax.tree.leaves(ls) == [8.0, 0, 4.0]
+  paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(ls)[0]]
+  assert paths == [(jax.tree_util.FlattenedIndexKey(i),) for i in range(3)]
+  step = jax.jit(lambda ls: ls.adjust(jnp.bool_(False)))
+  theirs = _floor_under_jit(real_jmp, jnp.float32(8.0))  # jmp accepts it ...
+  for _ in range(3):
+    ls, theirs = step(ls), step(theirs)
+  assert float(ls.loss_scale) == 4.0 and float(ls.min_loss_scale) == 4.0
+  assert float(theirs.loss_scale) == 1.0  # ... and loses it
+  carried, scales = lax.scan(
+    lambda c, f: (c.adjust(f), c.adjust(f).loss_scale),
+    _floor_under_jit(jmp, jnp.float32(16.0)),
+    jnp.zeros(3, bool),
+  )
+  np.testing.assert_array_equal(scales, [8.0, 8.0, 8.0])
+  assert jax.tree.structure(carried) == jax.tree.structure(ls)
+
+
+def test_a_floor_built_under_pmap_is_replicated_with_the_state():
+  # Haiku's ImageNet example builds its train state with `pmap(initial_state)`.
+  n = jax.local_device_count()
+  ls = jax.pmap(lambda x: jmp.DynamicLossScale(x, min_loss_scale=x / 4))(
+    jnp.full((n,), 8.0, jnp.float32)
+  )
+  assert ls.min_loss_scale.shape == (n,)
+  step = jax.pmap(lambda ls: ls.adjust(jnp.bool_(False)))
+  for _ in range(4):
+    ls = step(ls)
+  np.testing.assert_array_equal(ls.loss_scale, np.full(n, 2.0, np.float32))
+  np.testing.assert_array_equal(ls.min_loss_scale, np.full(n, 2.0, np.float32))
+  new = jmp.to_loss_scale(jax.tree.map(lambda x: x[0], ls))
+  assert float(new()) == 2.0 and new.min_loss_scale == 2.0
+
+
+def test_a_numpy_or_python_floor_keeps_jmps_two_leaves():
+  for floor in [np.float32(0.5), 0.5, np.ones([], np.float32)]:
+    ls = jmp.DynamicLossScale(jnp.float32(2.0), min_loss_scale=floor)
+    assert len(jax.tree.leaves(ls)) == 2
+  array_floor = jmp.DynamicLossScale(
+    jnp.float32(2.0), min_loss_scale=jnp.float32(0.5)
+  )
+  assert len(jax.tree.leaves(array_floor)) == 3
+
+
+def test_a_floor_leaf_stays_a_leaf_whatever_it_holds():
+  # Placeholders, restored NumPy arrays and abstract targets keep the layout.
+  ls = _floor_under_jit(jmp, jnp.float32(8.0))
+  for mapped in [
+    jax.tree.map(lambda x: None, ls),
+    jax.tree.map(np.asarray, ls),
+    jax.tree.map(lambda x: object(), ls),
+    jax.eval_shape(lambda: ls),
+  ]:
+    structure = jax.tree.structure(mapped, is_leaf=lambda x: x is None)
+    assert structure == jax.tree.structure(ls)
+  abstract = jax.eval_shape(lambda: ls)
+  step = jax.jit(lambda ls: ls.adjust(jnp.bool_(False)))
+  assert float(step.lower(abstract).compile()(ls).min_loss_scale) == 4.0
+
+
 def test_orbax_saves_and_restores_every_field(tmp_path):
   ocp = pytest.importorskip("orbax.checkpoint")
   ls = jmp.DynamicLossScale(
@@ -346,11 +439,28 @@ def test_orbax_saves_and_restores_every_field(tmp_path):
   assert _hyperparameters(restored) == (10, 2, 0.5)
 
 
+def test_orbax_restores_a_floor_leaf_into_an_abstract_target(tmp_path):
+  ocp = pytest.importorskip("orbax.checkpoint")
+  ls = _floor_under_jit(jmp, jnp.float32(2.0**13)).adjust(jnp.bool_(False))
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    with ocp.StandardCheckpointer() as checkpointer:
+      checkpointer.save(tmp_path / "ckpt", ls)
+    # The target built as the state was, abstractly.
+    target = jax.eval_shape(lambda: _floor_under_jit(jmp, jnp.float32(1.0)))
+    with ocp.StandardCheckpointer() as checkpointer:
+      restored = checkpointer.restore(tmp_path / "ckpt", target)
+  assert jax.tree.structure(restored) == jax.tree.structure(ls)
+  assert float(restored.loss_scale) == 2.0**12
+  assert float(restored.min_loss_scale) == 2.0**12
+
+
 def test_static_hyperparameters_must_be_concrete():
-  with pytest.raises(TypeError, match="min_loss_scale"):
-    jax.jit(lambda m: jmp.DynamicLossScale(jnp.float32(2.0), min_loss_scale=m))(
-      jnp.float32(0.5)
-    )
+  for name in ["period", "factor"]:
+    with pytest.raises(TypeError, match=rf"DynamicLossScale\({name}=...\)"):
+      jax.jit(
+        lambda v, name=name: jmp.DynamicLossScale(jnp.float32(2.0), **{name: v})
+      )(jnp.float32(2.0))
   with pytest.raises(
     ValueError, match=r"period=...\)` must be positive, got 0"
   ):
@@ -717,6 +827,45 @@ def test_to_loss_scale_refuses_other_types_naming_the_argument():
     jax.jit(jmp.to_loss_scale)(jmp.DynamicLossScale(jnp.float32(2.0)))
 
 
+def test_to_loss_scale_takes_one_replica_of_a_pmap_state(real_jmp):
+  n = jax.local_device_count()
+  for module in [jmp, real_jmp]:
+    replicated = jax.pmap(
+      lambda s, module=module: module.DynamicLossScale(s, period=10).adjust(
+        jnp.bool_(True)
+      )
+    )(jnp.full((n,), 2.0**12, jnp.float32))
+    with pytest.raises(ValueError, match=r"jax.tree.map\(lambda x: x\[0\]"):
+      jmp.to_loss_scale(replicated)
+    new = jmp.to_loss_scale(jax.tree.map(lambda x: x[0], replicated))
+    assert float(new()) == 2.0**12 and int(new.num_good_steps) == 1
+    assert new.increment_period == 10
+
+
+def test_a_pickled_jmp_state_carries_over_by_unflattening(real_jmp):
+  # A training state pickled with jmp (unpickling needs jmp installed): its
+  # leaves go into a template built with this module, in jmp's leaf order.
+  old = real_jmp.DynamicLossScale(jnp.float32(2.0**10), jnp.int32(0), 3, 2)
+  for finite in [True, True, False, True]:
+    old = old.adjust(jnp.bool_(finite))
+  pickled = pickle.dumps({"step": np.int32(4), "loss_scale": old})
+  restored = pickle.loads(pickled)
+  assert type(restored["loss_scale"]) is real_jmp.DynamicLossScale
+  template = {
+    "step": np.int32(0),
+    "loss_scale": jmp.DynamicLossScale(jnp.float32(1.0), period=3, factor=2),
+  }
+  state = jax.tree.unflatten(
+    jax.tree.structure(template), jax.tree.leaves(restored)
+  )
+  ours = state["loss_scale"]
+  assert type(ours) is jmp.DynamicLossScale and int(state["step"]) == 4
+  assert _bits(ours.loss_scale) == _bits(old.loss_scale)
+  assert int(ours.counter) == int(old.counter) == 1
+  steps = _steps(5, 30)
+  assert _trace(ours, steps)[0] == _trace(old, steps)[0]
+
+
 # --- a jmp training program, swapped and ported -------------------------------------------
 
 X = jax.random.normal(jax.random.key(0), (64, 8))
@@ -858,6 +1007,60 @@ def test_haiku_takes_the_policy(standard_promotion):
   assert params["probe"]["w"].dtype == jnp.float32
   assert seen[-2:] == [jnp.float16, jnp.float16]
   assert out.dtype == jnp.float32
+
+
+def _haiku_batch_norm_model(hk):
+  def forward(x, is_training):
+    x = hk.Linear(16)(x)
+    x = hk.BatchNorm(True, True, decay_rate=0.9)(x, is_training)
+    return hk.Linear(1)(jax.nn.relu(x))
+
+  return hk.transform_with_state(forward)
+
+
+def test_haiku_state_is_kept_on_a_skipped_step_as_the_docs_write_it(
+  standard_promotion,
+):
+  # docs/jmp.md: Haiku's state (BatchNorm statistics) is not the optimizer's,
+  # so the step keeps it with the optimizer state's `should_apply`.
+  del standard_promotion
+  hk = pytest.importorskip("haiku")
+  model = _haiku_batch_norm_model(hk)
+  tx = ols.LossScaleOptimizer(optax.adam(1e-3), ols.DynamicLossScale(2.0**15))
+
+  def loss_fn(params, state, x, y):
+    out, state = model.apply(params, state, None, x, is_training=True)
+    return jnp.mean((out - y) ** 2), state
+
+  @jax.jit
+  def train_step(params, state, opt_state, x, y):
+    grad_fn = ols.scaled_value_and_grad(loss_fn, has_aux=True)
+    (loss, new_state), grads = grad_fn(opt_state, params, state, x, y)
+    params, opt_state = tx.apply_gradients(grads, opt_state, params, value=loss)
+    state = jmp.select_tree(opt_state.should_apply, new_state, state)
+    return params, state, opt_state
+
+  hk.mixed_precision.set_policy(hk.Linear, jmp.get_policy("p=f32,c=f16,o=f32"))
+  try:
+    x = jax.random.normal(jax.random.key(0), (32, 8))
+    y = jnp.sum(x, axis=1, keepdims=True)
+    params, state = model.init(jax.random.key(1), x, True)
+    opt_state = tx.init(params)
+    params, state, opt_state = train_step(params, state, opt_state, x, y)
+    assert bool(opt_state.should_apply)
+    # A float16 overflow in the forward pass: the batch's statistics are not
+    # finite, and so are not the moving averages that step computes.
+    overflow = x.at[0, 0].set(1e6)
+    _, new_state = loss_fn(params, state, overflow, y)
+    assert not all(jax.tree.leaves(jax.tree.map(ols.all_finite, new_state)))
+    skipped = train_step(params, state, opt_state, overflow, y)
+  finally:
+    hk.mixed_precision.clear_policy(hk.Linear)
+  assert not bool(skipped[2].should_apply)
+  assert int(skipped[2].skipped_steps) == 1
+  chex.assert_trees_all_equal(skipped[1], state)
+  assert all(jax.tree.leaves(jax.tree.map(ols.all_finite, skipped[1])))
+  chex.assert_trees_all_equal(skipped[0], params)
 
 
 def test_dtype_to_names_is_jmps_table_and_str_uses_its_first_names():

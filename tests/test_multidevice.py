@@ -67,6 +67,12 @@ def test_every_public_function_on_sharded_trees(axes):
   _run(f"every_function:{axes}")
 
 
+@pytest.mark.parametrize("axes", ["explicit", "auto"])
+def test_jmp_select_tree_takes_leaves_varying_along_other_axes(axes):
+  # Inside `shard_map`: jmp's values, dtypes and varying axes.
+  _run(f"jmp_select_tree_in_shard_map:{axes}")
+
+
 @pytest.mark.parametrize("devices", [1, 8])
 def test_sharded_recipe_runs_as_written(tmp_path, devices):
   page = (ROOT / "docs" / "multidevice.md").read_text()
