@@ -190,6 +190,9 @@ def sweep_section(sweep: str | None, note: str) -> list[str]:
   text = pathlib.Path(sweep).read_text()
   table = [line for line in text.splitlines() if line.startswith("|")]
   if table:
+    if len(table) < 2 or set(table[1]) - set("|-: "):
+      # A table printed row by row may lack the line under its header.
+      table.insert(1, "|" + "---|" * (table[0].count("|") - 1))
     return [*lines, *table, ""]
   return [
     *lines,

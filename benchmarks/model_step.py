@@ -202,6 +202,8 @@ def markdown(
   lines = [
     "# A model's train step, with and without loss scaling",
     "",
+    # docs/performance.md includes what lies between the markers.
+    "<!-- --8<-- [start:table] -->",
     *(f"- {key}: {value}" for key, value in env.items()),
     f"- command: `{cmd}`",
     f"- model: {describe(model)}; float16 compute, float32 master weights",
@@ -226,6 +228,7 @@ def markdown(
       f"| {r['name']} | {r['step_ratio']:.2f}x | {r['compile_ratio']:.2f}x"
       f" | {r['temp_ratio']:.2f}x | {within} | {r['skipped']} |"
     )
+  lines.append("<!-- --8<-- [end:table] -->")
   return "\n".join(lines) + "\n"
 
 
