@@ -83,5 +83,5 @@ echo "== steps, cond or select, model step: $python benchmarks/accelerator.py"
   ${out:+--out "$out"} \
   "${quick[@]}" \
   "${sweep_args[@]}" \
-  --command "benchmarks/accelerator.sh $*" \
+  --command "benchmarks/accelerator.sh${*:+ $*}" \
   --seconds-before "$SECONDS"
