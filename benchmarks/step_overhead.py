@@ -26,6 +26,7 @@ from typing import Any
 if "--sharded" in sys.argv:  # 8 host devices, before JAX starts
   os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 
+import _timing
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -224,13 +225,15 @@ def _matmul_inputs(params, batch=8):
   return xs, ys
 
 
-def prepare(name, params, grad_dtype, matmul=False):
+def prepare(name, params, grad_dtype, matmul=False, config=None):
   """Compiles one configuration and runs its first step.
 
   The gradients are an input of the step, or, with `matmul`, computed in the
   step as the gradient of a loss made of one matrix product per leaf.
+  `config` (returning `(init, step)`) replaces the configuration `name`
+  names.
   """
-  init, tx_step = {**CONFIGS, **FAILURE_MODES}[name]()
+  init, tx_step = (config or {**CONFIGS, **FAILURE_MODES}[name])()
   if matmul:
     grads = _matmul_inputs(params)
 
@@ -247,9 +250,8 @@ def prepare(name, params, grad_dtype, matmul=False):
   s = init(p)
   t0 = time.perf_counter()
   try:
-    compiled = jitted.lower(p, s, grads).compile()
-    compile_s = time.perf_counter() - t0
-    temp = compiled.memory_analysis().temp_size_in_bytes
+    compiled, compile_s = _timing.compile_step(step, p, s, grads)
+    temp = _timing.temp_bytes(compiled)
     p, s = compiled(p, s, grads)
   except TypeError:
     # jmp's loss scale cannot be lowered ahead of time on recent JAX; time
@@ -276,13 +278,10 @@ def prepare(name, params, grad_dtype, matmul=False):
 
 def time_steps(run, n):
   """Times `n` donated steps of a prepared configuration."""
-  p, s = run["state"]
-  for _ in range(n):
-    t0 = time.perf_counter()
-    p, s = run["compiled"](p, s, run["grads"])
-    jax.block_until_ready(p)
-    run["times"].append(time.perf_counter() - t0)
-  run["state"] = (p, s)
+  times, run["state"] = _timing.step_times(
+    run["compiled"], run["state"], (run["grads"],), n
+  )
+  run["times"] += times
 
 
 def time_scan(run, scan_steps):
@@ -495,9 +494,7 @@ def _compile_failure_mode(name: str, params: Any, lr: float) -> float:
   init, step = FAILURE_MODES[name](lr=lr)
   p = jax.tree.map(jnp.copy, params)
   grads = jax.tree.map(lambda x: x * SCALE * 1e-3, params)
-  t0 = time.perf_counter()
-  jax.jit(step, donate_argnums=(0, 1)).lower(p, init(p), grads).compile()
-  return time.perf_counter() - t0
+  return _timing.compile_step(step, p, init(p), grads)[1]
 
 
 def _scan_loop(run: dict[str, Any], steps: int) -> Callable[[], float]:
@@ -590,10 +587,8 @@ def _compile_seconds(name: str, params: Any, grads: Any) -> tuple[float, str]:
   """A first compile of `name` (fresh closures, so no cache hit) and its HLO."""
   init, step = CONFIGS[name]()
   p = jax.tree.map(jnp.copy, params)
-  t0 = time.perf_counter()
-  compiled = jax.jit(step, donate_argnums=(0, 1)).lower(p, init(p), grads)
-  compiled = compiled.compile()
-  return time.perf_counter() - t0, compiled.as_text()
+  compiled, seconds = _timing.compile_step(step, p, init(p), grads)
+  return seconds, compiled.as_text()
 
 
 def sharded(out: str, repeats: int, compiles: int) -> None:

@@ -20,6 +20,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import _model
+import _steps
+import _timing
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,7 +30,9 @@ import optax
 
 import optax_lossscale as ols
 
-LAYERS, D_MODEL, HEADS, SEQ, BATCH, VOCAB = 12, 128, 4, 64, 8, 256
+MODEL = _model.Transformer(
+  layers=12, d_model=128, heads=4, seq=64, batch=8, vocab=256
+)
 SCALE = 2.0**10
 MAX_RETRIES = 4
 LR = 1e-3
@@ -35,207 +40,29 @@ OUT = pathlib.Path(__file__).with_name("TRAIN_STEP.md")
 REFERENCE = "scaled_value_and_grad + apply_gradients"
 PLAIN = "plain adam"
 
-Step = Callable[[Any, Any, Any], tuple[Any, Any, jax.Array]]
+init_params = MODEL.init_params
+loss_fn = MODEL.loss
+make_batch = MODEL.make_batch
 
 
-def _dense(key: jax.Array, n_in: int, n_out: int) -> jax.Array:
-  return jax.random.normal(key, (n_in, n_out), jnp.float32) / np.sqrt(n_in)
+def _loss_scale() -> ols.DynamicLossScale:
+  return ols.DynamicLossScale(SCALE)
 
 
-def _block_params(key: jax.Array) -> dict[str, jax.Array]:
-  """One block: attention q/k/v/o, two layernorms, a two-layer MLP."""
-  kq, kk, kv, ko, k1, k2 = jax.random.split(key, 6)
-  d, h = D_MODEL, 4 * D_MODEL
-  ones, zeros = jnp.ones(d), jnp.zeros(d)
-  return {
-    "wq": _dense(kq, d, d),
-    "wk": _dense(kk, d, d),
-    "wv": _dense(kv, d, d),
-    "wo": _dense(ko, d, d),
-    "ln1_scale": ones,
-    "ln1_bias": zeros,
-    "ln2_scale": ones + 0.0,
-    "ln2_bias": zeros + 0.0,
-    "w1": _dense(k1, d, h),
-    "b1": jnp.zeros(h),
-    "w2": _dense(k2, h, d),
-    "b2": jnp.zeros(d),
-  }
-
-
-def init_params(key: jax.Array) -> dict[str, Any]:
-  """float32 master weights: embeddings, `LAYERS` blocks, head."""
-  keys = jax.random.split(key, LAYERS + 3)
-  return {
-    "embed": jax.random.normal(keys[0], (VOCAB, D_MODEL)) * 0.02,
-    "pos": jax.random.normal(keys[1], (SEQ, D_MODEL)) * 0.02,
-    "blocks": [_block_params(k) for k in keys[3:]],
-    "ln_scale": jnp.ones(D_MODEL),
-    "ln_bias": jnp.zeros(D_MODEL),
-    "head": _dense(keys[2], D_MODEL, VOCAB),
-  }
-
-
-def _layernorm(x: jax.Array, scale: jax.Array, bias: jax.Array) -> jax.Array:
-  """Statistics in float32, result in float16."""
-  x32 = x.astype(jnp.float32)
-  mean = x32.mean(-1, keepdims=True)
-  var = ((x32 - mean) ** 2).mean(-1, keepdims=True)
-  y = (x32 - mean) * jax.lax.rsqrt(var + 1e-5)
-  return (y.astype(x.dtype) * scale) + bias
-
-
-def _attention(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
-  """Causal multi-head self-attention."""
-  b, s, d = x.shape
-  split = lambda w: (x @ w).reshape(b, s, HEADS, d // HEADS)  # noqa: E731
-  q, k, v = split(p["wq"]), split(p["wk"]), split(p["wv"])
-  logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d // HEADS)
-  mask = jnp.tril(jnp.ones((s, s), bool))
-  logits = jnp.where(mask, logits, jnp.asarray(-1e4, logits.dtype))
-  weights = jax.nn.softmax(logits, axis=-1)
-  out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, s, d)
-  return out @ p["wo"]
-
-
-def _block(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
-  x = x + _attention(p, _layernorm(x, p["ln1_scale"], p["ln1_bias"]))
-  h = _layernorm(x, p["ln2_scale"], p["ln2_bias"])
-  return x + jax.nn.gelu(h @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
-
-
-def loss_fn(params: dict[str, Any], batch: dict[str, jax.Array]) -> jax.Array:
-  """Next-token cross-entropy (float32) of a float16 forward pass."""
-  p = jax.tree.map(lambda w: w.astype(jnp.float16), params)
-  x = p["embed"][batch["tokens"]] + p["pos"]
-  for block in p["blocks"]:
-    x = _block(block, x)
-  logits = _layernorm(x, p["ln_scale"], p["ln_bias"]) @ p["head"]
-  return optax.softmax_cross_entropy_with_integer_labels(
-    logits.astype(jnp.float32), batch["targets"]
-  ).mean()
-
-
-def make_batch(key: jax.Array) -> dict[str, jax.Array]:
-  tokens = jax.random.randint(key, (BATCH, SEQ + 1), 0, VOCAB)
-  return {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
-
-
-# Configurations: each returns `(init, step)`, `init(params) -> opt_state`
-# and `step(params, opt_state, batch) -> (params, opt_state, loss)`.
-
-
-def config_plain(lr: float = LR) -> tuple[Callable[[Any], Any], Step]:
-  """`optax.adam` without loss scaling."""
-  tx = optax.adam(lr)
-
-  def step(params, opt_state, batch):
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
-  return tx.init, step
-
-
-def _loss_scale_optimizer(lr: float) -> ols.LossScaleOptimizer:
-  return ols.LossScaleOptimizer(optax.adam(lr), ols.DynamicLossScale(SCALE))
-
-
-def config_apply_gradients(
-  lr: float = LR,
-) -> tuple[Callable[[Any], Any], Step]:
-  """`ols.scaled_value_and_grad`, then `apply_gradients`."""
-  tx = _loss_scale_optimizer(lr)
-
-  def step(params, state, batch):
-    loss, grads = ols.scaled_value_and_grad(loss_fn)(state, params, batch)
-    params, state = tx.apply_gradients(grads, state, params, value=loss)
-    return params, state, loss
-
-  return tx.init, step
-
-
-def config_minimize(
-  max_retries: int, lr: float = LR
-) -> tuple[Callable[[Any], Any], Step]:
-  """`LossScaleOptimizer.minimize` with `max_retries`."""
-  tx = _loss_scale_optimizer(lr)
-
-  def step(params, state, batch):
-    loss, params, state = tx.minimize(
-      loss_fn, params, state, batch, max_retries=max_retries
-    )
-    return params, state, loss
-
-  return tx.init, step
-
-
-def config_jmp(lr: float = LR) -> tuple[Callable[[Any], Any], Step]:
-  """jmp: scale, grad, unscale, `all_finite`, `select_tree`, `adjust`."""
-  import jmp
-
-  tx = optax.adam(lr)
-
-  def init(params):
-    # jmp's loss scale is carried as its arrays: a `jmp.DynamicLossScale` in
-    # the inputs or outputs of `jax.jit(...).lower` raises a TypeError.
-    return tx.init(params), (jnp.float32(SCALE), jnp.int32(0))
-
-  def step(params, state, batch):
-    opt_state, (scale, counter) = state
-    loss_scale = jmp.DynamicLossScale(scale, counter)
-    scaled = lambda p: loss_scale.scale(loss_fn(p, batch))  # noqa: E731
-    loss, grads = jax.value_and_grad(scaled)(params)
-    loss, grads = loss_scale.unscale((loss, grads))
-    finite = jmp.all_finite(grads)
-    loss_scale = loss_scale.adjust(finite)
-    updates, new_opt_state = tx.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
-    params = jmp.select_tree(finite, new_params, params)
-    opt_state = jmp.select_tree(finite, new_opt_state, opt_state)
-    return (
-      params,
-      (opt_state, (loss_scale.loss_scale, loss_scale.counter)),
-      loss,
-    )
-
-  return init, step
-
-
-def config_flax(lr: float = LR) -> tuple[Callable[[Any], Any], Step]:
-  """flax `DynamicScale.value_and_grad`, then `jnp.where` on every leaf."""
-  from flax.training.dynamic_scale import DynamicScale
-
-  tx = optax.adam(lr)
-
-  def init(params):
-    scale = DynamicScale(fin_steps=jnp.int32(0), scale=jnp.float32(SCALE))
-    return tx.init(params), scale
-
-  def step(params, state, batch):
-    opt_state, dyn_scale = state
-    dyn_scale, is_fin, loss, grads = dyn_scale.value_and_grad(loss_fn)(
-      params, batch
-    )
-    updates, new_opt_state = tx.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
-    sel = lambda new, old: jnp.where(is_fin, new, old)  # noqa: E731
-    params = jax.tree.map(sel, new_params, params)
-    opt_state = jax.tree.map(sel, new_opt_state, opt_state)
-    return params, (opt_state, dyn_scale), loss
-
-  return init, step
-
-
-CONFIGS: dict[str, Callable[..., tuple[Callable[[Any], Any], Step]]] = {
-  PLAIN: config_plain,
-  REFERENCE: config_apply_gradients,
-  "minimize, max_retries=0": lambda lr=LR: config_minimize(0, lr),
-  f"minimize, max_retries={MAX_RETRIES}": (
-    lambda lr=LR: config_minimize(MAX_RETRIES, lr)
+# Configurations: each takes Adam's learning rate and returns `(init, step)`.
+CONFIGS: dict[str, Callable[..., _steps.Config]] = {
+  PLAIN: lambda lr=LR: _steps.plain(loss_fn, lr),
+  REFERENCE: lambda lr=LR: _steps.apply_gradients(loss_fn, lr, _loss_scale()),
+  "minimize, max_retries=0": (
+    lambda lr=LR: _steps.minimize(loss_fn, lr, _loss_scale(), 0)
   ),
-  "jmp select_tree": config_jmp,
-  "flax DynamicScale pattern": config_flax,
+  f"minimize, max_retries={MAX_RETRIES}": (
+    lambda lr=LR: _steps.minimize(loss_fn, lr, _loss_scale(), MAX_RETRIES)
+  ),
+  "jmp select_tree": lambda lr=LR: _steps.jmp_pattern(loss_fn, lr, SCALE),
+  "flax DynamicScale pattern": (
+    lambda lr=LR: _steps.flax_pattern(loss_fn, lr, SCALE)
+  ),
 }
 RETRY_CONFIG = f"minimize, max_retries={MAX_RETRIES}"
 PEERS = ("jmp select_tree", "flax DynamicScale pattern")
@@ -248,10 +75,7 @@ def compile_time(name: str, params: Any, batch: Any, lr: float) -> float:
   (JAX serves a repeated one from its cache).
   """
   init, step = CONFIGS[name](lr)
-  s = init(params)
-  t0 = time.perf_counter()
-  jax.jit(step, donate_argnums=(0, 1)).lower(params, s, batch).compile()
-  return time.perf_counter() - t0
+  return _timing.compile_step(step, params, init(params), batch)[1]
 
 
 def overflow_scale(params: Any, batch: Any) -> float:
@@ -275,9 +99,7 @@ def prepare(name: str, params: Any, batch: Any) -> dict[str, Any]:
   init, step = CONFIGS[name]()
   p = jax.tree.map(jnp.copy, params)
   s = init(p)
-  t0 = time.perf_counter()
-  compiled = jax.jit(step, donate_argnums=(0, 1)).lower(p, s, batch).compile()
-  compile_s = time.perf_counter() - t0
+  compiled, compile_s = _timing.compile_step(step, p, s, batch)
   p, s, loss = compiled(p, s, batch)
   if not np.isfinite(float(loss)):
     raise RuntimeError(f"{name}: non-finite loss {float(loss)}.")
@@ -286,21 +108,16 @@ def prepare(name: str, params: Any, batch: Any) -> dict[str, Any]:
     compiled=compiled,
     state=(p, s),
     compiles=[compile_s],
-    temp=compiled.memory_analysis().temp_size_in_bytes,
+    temp=_timing.temp_bytes(compiled),
     medians=[],
   )
 
 
 def time_steps(run: dict[str, Any], batch: Any, steps: int) -> float:
   """The median time of `steps` donated steps, fed back into each other."""
-  p, s = run["state"]
-  times = []
-  for _ in range(steps):
-    t0 = time.perf_counter()
-    p, s, loss = run["compiled"](p, s, batch)
-    jax.block_until_ready((p, s, loss))
-    times.append(time.perf_counter() - t0)
-  run["state"] = (p, s)
+  times, run["state"] = _timing.step_times(
+    run["compiled"], run["state"], (batch,), steps
+  )
   return statistics.median(times)
 
 
@@ -353,10 +170,6 @@ def time_retry(run: dict[str, Any], batch: Any, guess: float, args) -> float:
   return statistics.median(retry) / statistics.median(normal)
 
 
-def _ratio(a: float, b: float) -> str:
-  return f"{a / b:.2f}x" if b > 0 else "-"
-
-
 def markdown(runs: dict[str, dict[str, Any]], retry: float, cmd: str) -> str:
   """The ratios against the reference configuration and plain Adam."""
   ref, plain = runs[REFERENCE], runs[PLAIN]
@@ -378,7 +191,10 @@ def markdown(runs: dict[str, dict[str, Any]], retry: float, cmd: str) -> str:
   for name, r in runs.items():
     cells = [name]
     for key in ("step", "compile", "temp"):
-      cells += [_ratio(r[key], ref[key]), _ratio(r[key], plain[key])]
+      cells += [
+        _timing.ratio(r[key], ref[key]),
+        _timing.ratio(r[key], plain[key]),
+      ]
     lines.append("| " + " | ".join(cells) + " |")
   lines += [
     "",
