@@ -10,27 +10,45 @@ import numpy as np
 
 from optax_lossscale import _validation
 from optax_lossscale._loss_scale import (
+  STATE_DTYPES,
   DynamicLossScale,
   LossScale,
   check_state_values,
 )
-from optax_lossscale._states import LossScaleOptimizerState
+from optax_lossscale._states import LossScaleOptimizerState, first_copy
 
 __all__ = ["check_state"]
 
 T = TypeVar("T")
 
-# The counters of `LossScaleOptimizerState` checked by name; fields this list
-# does not name are searched for loss scales, not checked themselves.
+# The counters of `LossScaleOptimizerState`, int32 arrays of the shape of its
+# `should_apply`.
 _COUNTERS = (
   "skipped_steps",
   "consecutive_skipped_steps",
   "nonfinite_loss_steps",
   "retries",
 )
-# The counters of a `SkipRecord` (the last skipped step).
+# The scalar fields of a `SkipRecord` (the last skipped step) and their dtypes;
+# its two vectors, `nonfinite` and `leaf_names`, have one more axis.
+_RECORD_SCALARS = {
+  "loss_scale": np.float32,
+  "next_loss_scale": np.float32,
+  "skipped_steps": np.int32,
+  "consecutive_skipped_steps": np.int32,
+  "loss_given": np.bool_,
+  "loss_finite": np.bool_,
+  "at_floor": np.bool_,
+}
 _RECORD_COUNTERS = ("skipped_steps", "consecutive_skipped_steps", "nonfinite")
 _CALL = "`check_state(tree)`"
+# A shape every array of a state must have, and the field that gave it.
+Batch = tuple[str, tuple[int, ...]] | None
+
+
+def _field(path: str, name: str) -> str:
+  """Where a field is, for a message: `check_state(tree)`: `tree.x.name`."""
+  return f"{_CALL}: `{path}.{name}`"
 
 
 def _is_found(x: Any) -> bool:
@@ -47,16 +65,40 @@ def _unwrapped(x: Any) -> Any:
   return leaves[0] if len(leaves) == 1 else x
 
 
-def _check_counters(state: LossScaleOptimizerState, where: str) -> None:
+def _check_array(
+  where: str, value: Any, dtype: Any, batch: Batch, extra_axis: bool = False
+) -> None:
+  """Raises unless `value` is of `dtype` and of the batch's shape.
+
+  With `extra_axis`, of the batch's shape plus one trailing axis.
+  """
+  _validation.state_dtype(where, value, dtype, convert=False)
+  shape = _validation.shape_of(value)
+  if batch is None or shape is None:
+    return
+  of, expected = batch
+  if extra_axis and len(shape) == len(expected) + 1:
+    shape = shape[:-1]
+  elif extra_axis:
+    of = f"{of} plus one axis"
+  _validation.same_shape(where, shape, of, expected)
+
+
+def _batch(path: str, name: str, value: Any) -> Batch:
+  """The shape every array of a state must share: `value`'s."""
+  shape = _validation.shape_of(value)
+  return None if shape is None else (f"`{path}.{name}`", shape)
+
+
+def _check_counters(
+  state: LossScaleOptimizerState, path: str, batch: Batch
+) -> None:
   counters = {name: _unwrapped(getattr(state, name)) for name in _COUNTERS}
   for name, value in counters.items():
     if value is not None:  # None in a state restored from 0.1.0
+      _check_array(_field(path, name), value, np.int32, batch)
       _validation.elements(
-        f"{where}.{name}`",
-        value,
-        integer=True,
-        low=0,
-        expected="non-negative",
+        _field(path, name), value, integer=True, low=0, expected="non-negative"
       )
   consecutive = _validation.host_pieces(counters["consecutive_skipped_steps"])
   skipped = _validation.host_pieces(counters["skipped_steps"])
@@ -65,54 +107,99 @@ def _check_counters(state: LossScaleOptimizerState, where: str) -> None:
     index = _validation.first_bad(c <= s)
     if index is not None:
       raise ValueError(
-        f"{where}.consecutive_skipped_steps` must be at most"
+        f"{_field(path, 'consecutive_skipped_steps')} must be at most"
         f" `skipped_steps`, got {_validation.element(offset, c, index)}"
         f", with skipped_steps={s[index].item()!r}."
       )
 
 
-def _check_record(state: LossScaleOptimizerState, where: str) -> None:
-  """The last skip's counters are non-negative integers."""
-  if state.last_skip is None:  # a state restored from 0.1.0
+def _name_count(leaf_names: Any) -> int | None:
+  """How many names `leaf_names` holds (newline-ended), if it is concrete."""
+  if isinstance(leaf_names, jax.core.Tracer) or not isinstance(
+    leaf_names, (jax.Array, np.ndarray)
+  ):
+    return None
+  raw = np.asarray(first_copy(leaf_names))
+  row = raw.reshape(-1, raw.shape[-1])[0] if raw.size else raw
+  return int(np.count_nonzero(row == ord("\n")))
+
+
+def _check_record(
+  state: LossScaleOptimizerState, path: str, batch: Batch
+) -> None:
+  """The last skip's fields have their dtypes and shapes, counts >= 0."""
+  record = state.last_skip
+  if record is None:  # a state restored from 0.1.0
     return
+  path = f"{path}.last_skip"
+  for name, dtype in _RECORD_SCALARS.items():
+    value = _unwrapped(getattr(record, name))
+    _check_array(_field(path, name), value, dtype, batch)
+  nonfinite = _unwrapped(record.nonfinite)
+  leaf_names = _unwrapped(record.leaf_names)
+  _check_array(_field(path, "nonfinite"), nonfinite, np.int32, batch, True)
+  _check_array(_field(path, "leaf_names"), leaf_names, np.uint8, batch, True)
   for name in _RECORD_COUNTERS:
     _validation.elements(
-      f"{where}.last_skip.{name}`",
-      _unwrapped(getattr(state.last_skip, name)),
+      _field(path, name),
+      _unwrapped(getattr(record, name)),
       integer=True,
       low=0,
       expected="non-negative",
     )
+  count = _name_count(leaf_names)
+  shape = _validation.shape_of(nonfinite)
+  if count is not None and shape and shape[-1] != count:
+    raise ValueError(
+      f"{_field(path, 'nonfinite')} must hold one count per name in"
+      f" `{path}.leaf_names`, {count}, got shape {shape}."
+    )
 
 
-def _walk(tree: Any, prefix: tuple[Any, ...]) -> int:
+def _check_loss_scale(loss_scale: LossScale, path: str, batch: Batch) -> None:
+  """A `DynamicLossScale`'s state: dtypes, one shape, values in range."""
+  if not isinstance(loss_scale, DynamicLossScale):
+    return
+  names = ["current_loss_scale", "num_good_steps"]
+  if loss_scale.hysteresis > 1:
+    names.append("hysteresis_budget")
+  state = {name: _unwrapped(getattr(loss_scale, name)) for name in names}
+  check_state_values(loss_scale, state, lambda name: _field(path, name))
+  if batch is None:
+    batch = _batch(path, names[0], state[names[0]])
+  for name, value in state.items():
+    _check_array(_field(path, name), value, STATE_DTYPES[name], batch)
+
+
+def _check_optimizer_state(state: LossScaleOptimizerState, path: str) -> int:
+  """Checks the state; returns how many loss scales it holds."""
+  should_apply = _unwrapped(state.should_apply)
+  _check_array(_field(path, "should_apply"), should_apply, np.bool_, None)
+  batch = _batch(path, "should_apply", should_apply)
+  _check_counters(state, path, batch)
+  found = 0
+  if isinstance(state.loss_scale, LossScale):
+    _check_loss_scale(state.loss_scale, f"{path}.loss_scale", batch)
+    found += 1
+  else:
+    key = jax.tree_util.GetAttrKey("loss_scale")
+    found += _walk(state.loss_scale, path, (key,))
+  _check_record(state, path, batch)
+  key = jax.tree_util.GetAttrKey("inner_state")
+  return found + _walk(state.inner_state, path, (key,))
+
+
+def _walk(tree: Any, root: str, prefix: tuple[Any, ...]) -> int:
   """Checks what `tree` holds; returns how many loss scales were found."""
   found = 0
   nodes, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_found)
-  for path, node in nodes:
-    path = prefix + tuple(path)
-    where = f"{_CALL}: `tree{jax.tree_util.keystr(path)}"
+  for keys, node in nodes:
+    path = f"{root}{jax.tree_util.keystr(prefix + tuple(keys))}"
     if isinstance(node, LossScaleOptimizerState):
-      _check_counters(node, where)
-      _check_record(node, where)
-      for name, value in node._asdict().items():
-        if name not in _COUNTERS:
-          key = jax.tree_util.GetAttrKey(name)
-          found += _walk(value, (*path, key))
+      found += _check_optimizer_state(node, path)
     elif isinstance(node, LossScale):
+      _check_loss_scale(node, path, None)
       found += 1
-      if isinstance(node, DynamicLossScale):
-        state = {
-          name: _unwrapped(getattr(node, name))
-          for name in ("current_loss_scale", "num_good_steps")
-        }
-        if node.hysteresis > 1:
-          state["hysteresis_budget"] = _unwrapped(node.hysteresis_budget)
-
-        def describe(name: str, where: str = where) -> str:
-          return f"{where}.{name}`"
-
-        check_state_values(node, state, describe)
   return found
 
 
@@ -163,7 +250,7 @@ def check_state(tree: T) -> T:
     ...
     ValueError: `check_state(tree)`: `tree.skipped_steps` must be non-negative, got -1.
   """
-  if not _walk(tree, ()):
+  if not _walk(tree, "tree", ()):
     raise ValueError(
       f"{_CALL} found no loss scale in `tree` (a"
       f" {type(tree).__name__}). Pass a tree that holds the optimizer state:"

@@ -542,34 +542,58 @@ class DynamicLossScale(LossScale):
   def _setup(self, *, check_state: bool) -> None:
     # The hyperparameters are Python values: checked on every construction.
     self._validate()
+    passed = {
+      name: getattr(self, name)
+      for name in _DYNAMIC_STATE
+      if getattr(self, name) is not _FRESH
+    }
     if check_state:
-      passed = {
-        name: getattr(self, name)
-        for name in _DYNAMIC_STATE
-        if getattr(self, name) is not _FRESH
-      }
-      check_state_values(
-        self, passed, lambda name: f"`DynamicLossScale({name}=...)`"
+      state = check_state_values(
+        self, passed, lambda name: f"`DynamicLossScale({name}=...)`", True
       )
-    if self.current_loss_scale is _FRESH:
-      scale = jnp.asarray(self.initial_loss_scale, jnp.float32)
-      object.__setattr__(self, "current_loss_scale", scale)
-    if self.num_good_steps is _FRESH:
-      object.__setattr__(self, "num_good_steps", jnp.zeros((), jnp.int32))
-    for name, dtype in [
-      ("current_loss_scale", np.float32),
-      ("num_good_steps", np.int32),
-      ("hysteresis_budget", np.int32),
-    ]:
-      value = getattr(self, name)
-      if isinstance(value, (int, float)) and not isinstance(value, bool):
-        # A Python number would become a weakly typed array: another trace.
-        object.__setattr__(self, name, np.asarray(value, dtype))
-    if self.hysteresis_budget is _FRESH:
-      budget = None
-      if self.hysteresis > 1:
-        budget = jnp.asarray(self.hysteresis, jnp.int32)
-      object.__setattr__(self, "hysteresis_budget", budget)
+    else:
+      # A Python number would become a weakly typed array: another trace.
+      state = {
+        name: np.asarray(value, STATE_DTYPES[name])
+        if isinstance(value, (int, float)) and not isinstance(value, bool)
+        else value
+        for name, value in passed.items()
+      }
+    for name in _DYNAMIC_STATE:
+      value = state[name] if name in state else self._fresh(name)
+      object.__setattr__(self, name, value)
+    if check_state and passed:
+      self._check_shapes(passed)
+
+  def _fresh(self, name: str) -> jax.Array | None:
+    """The initial value of a state field."""
+    if name == "current_loss_scale":
+      return jnp.asarray(self.initial_loss_scale, jnp.float32)
+    if name == "num_good_steps":
+      return jnp.zeros((), jnp.int32)
+    if self.hysteresis > 1:
+      return jnp.asarray(self.hysteresis, jnp.int32)
+    return None
+
+  def _check_shapes(self, passed: dict[str, Any]) -> None:
+    """Raises unless the state fields have one shape (passed or not)."""
+    first = next(iter(passed))
+    shape = _validation.shape_of(getattr(self, first))
+    if shape is None:
+      return
+    for name in _DYNAMIC_STATE:
+      got = _validation.shape_of(getattr(self, name))
+      if got is None or got == shape:
+        continue
+      if name not in passed:
+        raise ValueError(
+          f"`DynamicLossScale({first}=...)` has shape {shape}: pass {name}"
+          " too, of that shape (a state field not passed starts as a"
+          " scalar)."
+        )
+      _validation.same_shape(
+        f"`DynamicLossScale({name}=...)`", got, first, shape
+      )
 
   def _validate(self) -> None:
     call = "DynamicLossScale"
@@ -720,6 +744,12 @@ class DynamicLossScale(LossScale):
 
 
 _DYNAMIC_STATE = ("current_loss_scale", "num_good_steps", "hysteresis_budget")
+# The dtype of each array of a `DynamicLossScale`'s state.
+STATE_DTYPES = {
+  "current_loss_scale": np.dtype(np.float32),
+  "num_good_steps": np.dtype(np.int32),
+  "hysteresis_budget": np.dtype(np.int32),
+}
 _DYNAMIC_STATIC = tuple(
   f.name
   for f in dataclasses.fields(DynamicLossScale)
@@ -752,65 +782,80 @@ jax.tree_util.register_pytree_with_keys(
 )
 
 
+def _bounds(loss_scale: DynamicLossScale, name: str) -> dict[str, Any]:
+  """The range of a state field's values, as `_validation.elements` takes it."""
+  if name == "current_loss_scale":
+    low = loss_scale.min_loss_scale
+    if loss_scale.max_loss_scale is None:
+      high, top = _validation.FLOAT32_MAX, "float32's maximum"
+    else:
+      high = loss_scale.max_loss_scale
+      top = f"max_loss_scale={high!r}"
+    return dict(
+      integer=False,
+      low=low,
+      high=high,
+      expected=f"finite and in [min_loss_scale={low!r}, {top}]",
+    )
+  if name == "num_good_steps":
+    period = loss_scale.increment_period
+    return dict(
+      integer=True,
+      low=0,
+      high=period,
+      high_open=True,
+      expected=f"an integer in [0, increment_period={period})",
+    )
+  return dict(
+    integer=True,
+    low=0,
+    high=loss_scale.hysteresis,
+    expected=f"an integer in [0, hysteresis={loss_scale.hysteresis}]",
+  )
+
+
 def check_state_values(
   loss_scale: DynamicLossScale,
   state: dict[str, Any],
   describe: Callable[[str], str],
-) -> None:
-  """Raises unless the concrete values in `state` are valid for `loss_scale`.
+  convert: bool = False,
+) -> dict[str, Any]:
+  """Raises unless the values in `state` are valid for `loss_scale`.
+
+  Each value must be of its field's dtype (`STATE_DTYPES`); with `convert`,
+  of any dtype whose values convert exactly. Concrete values are then checked
+  element by element; abstract ones (tracers, shapes) only for their dtype.
 
   Args:
     loss_scale: gives the hyperparameters the values are checked against.
     state: values by field name (`current_loss_scale`, `num_good_steps`,
-      `hysteresis_budget`); abstract ones (tracers, shapes) are not checked.
+      `hysteresis_budget`).
     describe: gives where a field's value came from, for the message.
+    convert: whether to convert values to their field's dtype.
+
+  Returns:
+    `state`, its values converted where `convert` is True.
 
   Raises:
-    TypeError: if a value has the wrong dtype.
-    ValueError: naming the field and the first offending element.
+    TypeError: if a value has the wrong dtype (or one that does not convert).
+    ValueError: naming the field and the first offending element, if an
+      element is out of range or (with `convert`) not exact in its dtype.
   """
+  checked = dict(state)
   for name, value in state.items():
     where = describe(name)
-    if name == "current_loss_scale":
-      low = loss_scale.min_loss_scale
-      if loss_scale.max_loss_scale is None:
-        high, top = _validation.FLOAT32_MAX, "float32's maximum"
-      else:
-        high = loss_scale.max_loss_scale
-        top = f"max_loss_scale={high!r}"
-      _validation.elements(
-        where,
-        value,
-        integer=False,
-        low=low,
-        high=high,
-        expected=f"finite and in [min_loss_scale={low!r}, {top}]",
-      )
-    elif name == "num_good_steps":
-      period = loss_scale.increment_period
-      _validation.elements(
-        where,
-        value,
-        integer=True,
-        low=0,
-        high=period,
-        high_open=True,
-        expected=f"an integer in [0, increment_period={period})",
-      )
-    elif loss_scale.hysteresis == 1:
+    if name == "hysteresis_budget" and loss_scale.hysteresis == 1:
       if value is not None and _validation.host_pieces(value):
         raise ValueError(
           f"{where} must be None when hysteresis=1, got {value!r:.80}."
         )
-    else:
-      expected = f"an integer in [0, hysteresis={loss_scale.hysteresis}]"
-      if value is None:
-        raise ValueError(f"{where} must be {expected}, got None.")
-      _validation.elements(
-        where,
-        value,
-        integer=True,
-        low=0,
-        high=loss_scale.hysteresis,
-        expected=expected,
-      )
+      continue
+    bounds = _bounds(loss_scale, name)
+    if value is None:
+      raise ValueError(f"{where} must be {bounds['expected']}, got None.")
+    dtype = STATE_DTYPES[name]
+    _validation.state_dtype(where, value, dtype, convert=convert)
+    _validation.elements(where, value, **bounds)
+    if convert:
+      checked[name] = _validation.state_array(where, value, dtype)
+  return checked

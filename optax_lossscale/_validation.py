@@ -7,6 +7,7 @@ import numbers
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -28,6 +29,7 @@ def scalar(call: str, name: str, value: Any) -> float:
       f"{where} must be a concrete number (a Python hyperparameter), got a"
       " traced value; build the loss scale outside `jit`."
     )
+  number: Any
   if isinstance(value, numbers.Real):
     number = value
   elif isinstance(value, (np.ndarray, np.generic, jax.Array)):
@@ -35,13 +37,12 @@ def scalar(call: str, name: str, value: Any) -> float:
       raise ValueError(
         f"{where} must be a scalar, got an array of shape {np.shape(value)}."
       )
-    kind = np.asarray(value).dtype.kind
-    if kind not in "iuf":
+    array = np.asarray(value)
+    if not is_real(array.dtype):
       raise TypeError(
-        f"{where} must be a real number, got an array of dtype"
-        f" {np.asarray(value).dtype}."
+        f"{where} must be a real number, got an array of dtype {array.dtype}."
       )
-    number = np.asarray(value).item()
+    number = array.item() if is_integer(array.dtype) else float(array)
   else:
     raise TypeError(
       f"{where} must be a number, got {type(value).__name__} {value!r:.80}."
@@ -80,6 +81,128 @@ def boolean(call: str, name: str, value: Any) -> bool:
       f" {value!r:.80}."
     )
   return bool(value)
+
+
+def is_integer(dtype: Any) -> bool:
+  """Whether `dtype` is a signed or unsigned integer dtype (not bool)."""
+  return bool(np.issubdtype(dtype, np.integer))
+
+
+def is_real(dtype: Any) -> bool:
+  """Whether `dtype` is an integer or real floating dtype, bfloat16 included."""
+  return is_integer(dtype) or bool(jnp.issubdtype(dtype, jnp.floating))
+
+
+def _describe(value: Any) -> str:
+  """`value` and its type, for a message."""
+  if isinstance(value, jax.core.Tracer):
+    return f"a traced array of dtype {value.dtype}"
+  if isinstance(value, numbers.Number) and not isinstance(value, np.generic):
+    return f"the Python {type(value).__name__} {value!r:.80}"
+  if np.ndim(value) == 0 and not isinstance(value, jax.ShapeDtypeStruct):
+    return f"{value!r:.80}"
+  return f"an array of dtype {value.dtype}"
+
+
+def state_dtype(where: str, value: Any, dtype: Any, *, convert: bool) -> None:
+  """Raises `TypeError` unless `value` can be a state array of `dtype`.
+
+  Without `convert`, a number or array must be of `dtype` itself (a Python
+  number is refused: under `jit` it would become a weakly typed array). With
+  `convert`, any real value may be given for a float dtype and any integer
+  for an integer dtype (`state_array` then converts it, if it is exact); a
+  tracer only of a dtype that converts exactly whatever its values. Bools are
+  never a number here. Anything else (None, a container) is not checked.
+  """
+  dtype = np.dtype(dtype)
+  if isinstance(value, (jax.core.Tracer, jax.ShapeDtypeStruct)):
+    got = value.dtype
+    ok = got == dtype or (
+      convert
+      and isinstance(value, jax.core.Tracer)
+      and np.bool_ not in (got, dtype)
+      and np.can_cast(got, dtype, "safe")
+    )
+  elif isinstance(value, (np.ndarray, np.generic, jax.Array, numbers.Number)):
+    # A Python number is refused without `convert`: under `jit` it would be
+    # weakly typed.
+    array = not isinstance(value, numbers.Number) or isinstance(
+      value, np.generic
+    )
+    got = np.asarray(value).dtype
+    if isinstance(value, jax.Array):  # without reading it
+      got = value.dtype
+    if got == np.bool_ and dtype != np.bool_:
+      ok = False
+    elif convert:
+      ok = is_integer(got) or (is_real(got) and not is_integer(dtype))
+    else:
+      ok = got == dtype and array
+  else:
+    return
+  if ok:
+    return
+  also = ""
+  if convert:
+    kind = "an integer" if is_integer(dtype) else "a real number"
+    also = f", or {kind} exact in {dtype}"
+  raise TypeError(f"{where} must be {dtype}{also}, got {_describe(value)}.")
+
+
+def state_array(where: str, value: Any, dtype: Any) -> Any:
+  """`value` as an array of `dtype`, or raises `ValueError` if not exact.
+
+  `value` has passed `state_dtype(..., convert=True)`. A tracer is cast; a
+  JAX array of another dtype is cast where it lives (keeping its sharding);
+  a Python number or NumPy value becomes a NumPy array, after every element
+  is checked to convert exactly. Anything else is returned as it is.
+  """
+  dtype = np.dtype(dtype)
+  if isinstance(value, (jax.Array, np.ndarray)) and value.dtype == dtype:
+    return value  # a tracer included
+  if isinstance(value, jax.core.Tracer):
+    return value.astype(dtype)
+  for offset, data in host_pieces(value):
+    if data.dtype == dtype:
+      continue
+    with np.errstate(over="ignore", invalid="ignore"):
+      ok = data.astype(dtype).astype(data.dtype) == data
+    index = first_bad(ok)
+    if index is not None:
+      got = element(offset, data, index)
+      raise ValueError(
+        f"{where} must be exact in {dtype}, the state's dtype, got {got}"
+        f" ({data.dtype}); round it first, with np.{dtype}(...), if that is"
+        " what you mean."
+      )
+  if isinstance(value, jax.Array):
+    return value.astype(dtype)
+  if isinstance(value, (numbers.Number, np.ndarray, np.generic)):
+    return np.asarray(value, dtype)
+  return value
+
+
+def shape_of(value: Any) -> tuple[int, ...] | None:
+  """`value`'s shape: () for a number, None for what is not an array."""
+  if isinstance(value, numbers.Number):
+    return ()
+  if isinstance(
+    value,
+    (np.ndarray, np.generic, jax.Array, jax.ShapeDtypeStruct),
+  ):
+    return tuple(value.shape)
+  return None
+
+
+def same_shape(
+  where: str, shape: tuple[int, ...], of: str, expected: tuple[int, ...]
+) -> None:
+  """Raises `ValueError` unless `shape` is `expected`, the shape of `of`."""
+  if shape != expected:
+    raise ValueError(
+      f"{where} must have the shape of {of}, {expected} (a leading replica"
+      f" axis included), got {shape}."
+    )
 
 
 def host_pieces(value: Any) -> list[tuple[tuple[int, ...], np.ndarray]]:
@@ -158,7 +281,7 @@ def elements(
       array), if an element is out of range.
   """
   for offset, data in host_pieces(value):
-    if data.dtype.kind not in ("iu" if integer else "iuf"):
+    if not (is_integer(data.dtype) if integer else is_real(data.dtype)):
       kind = "an integer" if integer else "a real number"
       got = f"{value!r:.80}" if data.ndim == 0 else f"dtype {data.dtype}"
       raise TypeError(f"{where} must be {kind}, got {got}.")

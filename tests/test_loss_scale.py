@@ -519,11 +519,14 @@ def test_constructor_checks_a_stacked_state_element_by_element():
 )
 def test_constructor_accepts_the_bounds(state):
   ls = ols.DynamicLossScale(4.0, 5, max_loss_scale=8.0, **state)
-  assert ls.current_loss_scale.dtype in (np.float32, np.float64)
+  assert ls.current_loss_scale.dtype == np.float32
+  assert ls.num_good_steps.dtype == np.int32
   for budget in (0, 3, np.int32(3), jnp.int32(0)):
     ols.DynamicLossScale(4.0, hysteresis=3, hysteresis_budget=budget)
   # min_loss_scale is compared as float32, as the state holds it.
-  floor = ols.DynamicLossScale(1.0, min_loss_scale=0.1, current_loss_scale=0.1)
+  floor = ols.DynamicLossScale(
+    1.0, min_loss_scale=0.1, current_loss_scale=np.float32(0.1)
+  )
   floored, _ = floor.update({"g": jnp.array(jnp.nan)})
   assert float(floored()) == float(np.float32(0.1))
 
