@@ -77,11 +77,14 @@ def _check_array(
   if batch is None or shape is None:
     return
   of, expected = batch
-  if extra_axis and len(shape) == len(expected) + 1:
-    shape = shape[:-1]
-  elif extra_axis:
-    of = f"{of} plus one axis"
-  _validation.same_shape(where, shape, of, expected)
+  if extra_axis and len(shape) != len(expected) + 1:
+    raise ValueError(
+      f"{where} must have the shape of {of}, {expected}, plus one axis, got"
+      f" {shape}."
+    )
+  _validation.same_shape(
+    where, shape[:-1] if extra_axis else shape, of, expected
+  )
 
 
 def _batch(path: str, name: str, value: Any) -> Batch:

@@ -268,3 +268,158 @@ def test_check_state_checks_the_skip_record_counters():
     with pytest.raises(ValueError, match=f"last_skip.{name}` must be non-neg"):
       ols.check_state(bad)
   assert ols.check_state(state._replace(last_skip=None)) is not None
+
+
+# --- dtypes and shapes ------------------------------------------------------
+
+
+def _with_leaf(tree, field, fn):
+  """`tree` with every leaf named `field` replaced by `fn(leaf)`."""
+
+  def leaf(path, x):
+    return fn(x) if jax.tree_util.keystr(path).endswith(f".{field}") else x
+
+  return jax.tree_util.tree_map_with_path(leaf, tree)
+
+
+@pytest.mark.parametrize(
+  "field, value, expected, got",
+  [
+    ("skipped_steps", jnp.uint8(0), "int32", "Array(0, dtype=uint8)"),
+    ("retries", np.int64(0), "int32", "np.int64(0)"),
+    ("consecutive_skipped_steps", 0, "int32", "the Python int 0"),
+    ("should_apply", jnp.int32(1), "bool", "Array(1, dtype=int32)"),
+  ],
+)
+def test_check_state_refuses_a_counter_of_the_wrong_dtype(
+  field, value, expected, got
+):
+  state = _optimizer_state()
+  with pytest.raises(TypeError) as error:
+    ols.check_state(state._replace(**{field: value}))
+  assert str(error.value) == (
+    f"`check_state(tree)`: `tree.{field}` must be {expected}, got {got}."
+  )
+
+
+@pytest.mark.parametrize(
+  "field, dtype, expected",
+  [
+    ("current_loss_scale", jnp.float16, "float32"),
+    ("current_loss_scale", jnp.bfloat16, "float32"),
+    ("num_good_steps", jnp.uint8, "int32"),
+    ("hysteresis_budget", jnp.int16, "int32"),
+  ],
+)
+def test_check_state_refuses_a_loss_scale_of_the_wrong_dtype(
+  field, dtype, expected
+):
+  state = _optimizer_state(hysteresis=2)
+  bad = _with_leaf(state, field, lambda x: x.astype(dtype))
+  with pytest.raises(
+    TypeError, match=rf"^`check_state\(tree\)`: `tree.loss_scale.{field}`"
+  ) as error:
+    ols.check_state(bad)
+  assert f"must be {expected}, got" in str(error.value)
+  # The same under `jit`, where the values are abstract but the dtype is not.
+  with pytest.raises(TypeError, match=f"{field}` must be {expected}, got a tr"):
+    jax.jit(ols.check_state)(bad)
+
+
+@pytest.mark.parametrize(
+  "field, dtype",
+  [
+    ("loss_scale", jnp.float16),
+    ("next_loss_scale", jnp.bfloat16),
+    ("skipped_steps", jnp.uint32),
+    ("loss_given", jnp.int32),
+    ("at_floor", jnp.float32),
+    ("nonfinite", jnp.uint8),
+    ("leaf_names", jnp.int8),
+  ],
+)
+def test_check_state_refuses_a_skip_record_field_of_the_wrong_dtype(
+  field, dtype
+):
+  import dataclasses
+
+  state = _optimizer_state()
+  record = state.last_skip
+  value = getattr(record, field).astype(dtype)
+  bad = state._replace(last_skip=dataclasses.replace(record, **{field: value}))
+  with pytest.raises(TypeError, match=rf"`tree.last_skip.{field}` must be "):
+    ols.check_state(bad)
+
+
+def test_check_state_refuses_nonfinite_counts_that_do_not_match_the_names():
+  import dataclasses
+
+  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale())
+  state = tx.init({"w": jnp.zeros(2), "b": jnp.zeros(1)})
+  record = state.last_skip
+  bad = state._replace(
+    last_skip=dataclasses.replace(record, nonfinite=jnp.zeros(3, jnp.int32))
+  )
+  with pytest.raises(ValueError) as error:
+    ols.check_state(bad)
+  assert str(error.value) == (
+    "`check_state(tree)`: `tree.last_skip.nonfinite` must hold one count per"
+    " name in `tree.last_skip.leaf_names`, 2, got shape (3,)."
+  )
+  # 0.1.0's check accepted it; the step then failed inside `update`.
+  stacked = jax.tree.map(lambda x: jnp.stack([x] * 2), state)
+  ols.check_state(stacked)
+  bad = stacked._replace(
+    last_skip=dataclasses.replace(
+      stacked.last_skip, nonfinite=jnp.zeros((2,), jnp.int32)
+    )
+  )
+  with pytest.raises(
+    ValueError,
+    match=r"`tree.last_skip.nonfinite` must have the shape of"
+    r" `tree.should_apply`, \(2,\), plus one axis, got \(2,\)\.$",
+  ):
+    ols.check_state(bad)
+
+
+@pytest.mark.parametrize(
+  "field, shape",
+  [
+    ("current_loss_scale", (1,)),
+    ("num_good_steps", (2,)),
+    ("retries", (1,)),
+    ("consecutive_skipped_steps", (4, 1)),
+  ],
+)
+def test_check_state_refuses_a_field_of_another_shape_than_the_state(
+  field, shape
+):
+  state = _optimizer_state()
+  bad = _with_leaf(state, field, lambda x: jnp.broadcast_to(x, shape))
+  with pytest.raises(ValueError) as error:
+    ols.check_state(bad)
+  where = (
+    "tree.loss_scale"
+    if field in ("current_loss_scale", "num_good_steps")
+    else "tree"
+  )
+  assert str(error.value) == (
+    f"`check_state(tree)`: `{where}.{field}` must have the shape of"
+    f" `tree.should_apply`, () (a leading replica axis included), got {shape}."
+  )
+
+
+def test_check_state_refuses_a_bare_loss_scale_of_mixed_shapes():
+  ls = ols.DynamicLossScale()
+  stacked = jax.tree.map(lambda x: jnp.stack([x] * 4), ls)
+  ols.check_state(stacked)
+  mixed = jax.tree.unflatten(
+    jax.tree.structure(ls),
+    [stacked.current_loss_scale, ls.num_good_steps],
+  )
+  with pytest.raises(
+    ValueError,
+    match=r"`tree.num_good_steps` must have the"
+    r" shape of `tree.current_loss_scale`, \(4,\)",
+  ):
+    ols.check_state(mixed)

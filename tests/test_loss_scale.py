@@ -52,7 +52,9 @@ def test_fixed_update_never_changes_and_always_applies():
 
 
 @pytest.mark.parametrize(
-  "value", [1, 1.0, 2**15, np.float32(8), np.int64(4), jnp.float32(16.0)]
+  "value",
+  [1, 1.0, 2**15, np.float32(8), np.int64(4), jnp.float32(16.0)]
+  + [jnp.bfloat16(8), np.float16(2), np.uint8(4), jnp.array(3, jnp.int32)],
 )
 def test_fixed_accepts_python_and_array_scalars(value):
   assert ols.FixedLossScale(value).loss_scale_value == float(value)
@@ -75,6 +77,7 @@ def test_fixed_accepts_python_and_array_scalars(value):
     (np.array([2.0, 4.0]), ValueError),
     (jnp.ones((1,)), ValueError),
     (np.array(True), TypeError),
+    (np.complex64(2), TypeError),
   ],
 )
 def test_fixed_rejects_bad_values_naming_the_argument(value, error):
@@ -529,6 +532,125 @@ def test_constructor_accepts_the_bounds(state):
   )
   floored, _ = floor.update({"g": jnp.array(jnp.nan)})
   assert float(floored()) == float(np.float32(0.1))
+
+
+def _steps_in_scan(loss_scale):
+  """The scales of four steps (finite, inf, finite, finite) in `lax.scan`."""
+
+  def step(ls, finite):
+    ls, _ = ls.update({"g": jnp.where(finite, 1.0, jnp.inf)})
+    return ls, ls()
+
+  finite = jnp.array([True, False, True, True])
+  return jax.jit(lambda ls: lax.scan(step, ls, finite))(loss_scale)
+
+
+@pytest.mark.parametrize(
+  "scale",
+  [8, 8.0, np.float16(8), jnp.bfloat16(8), np.float64(8), np.int32(8)]
+  + [np.uint8(8), np.array(8, np.int64), jnp.array([8.0], jnp.float16)],
+  ids=repr,
+)
+@pytest.mark.parametrize(
+  "steps", [1, np.int64(1), np.uint8(1), np.int16(1), jnp.uint8(1)], ids=repr
+)
+def test_constructor_converts_state_values_exact_in_float32_and_int32(
+  scale, steps
+):
+  shape = np.shape(scale)
+  ls = ols.DynamicLossScale(
+    8.0,
+    2,
+    current_loss_scale=scale,
+    num_good_steps=np.broadcast_to(steps, shape) if shape else steps,
+  )
+  assert ls.current_loss_scale.dtype == jnp.float32
+  assert ls.num_good_steps.dtype == jnp.int32
+  # A JAX array stays one (converted where it lives).
+  assert isinstance(ls.current_loss_scale, jax.Array) == isinstance(
+    scale, jax.Array
+  )
+  # 0.1.0 kept the dtype given, and the step below failed in `lax.scan`
+  # (the carry's dtype changed).
+  out, scales = _steps_in_scan(ls)
+  expected = np.broadcast_to([16.0, 8.0, 8.0, 16.0], (*shape, 4)).T
+  np.testing.assert_array_equal(scales, expected)
+  assert out.current_loss_scale.dtype == jnp.float32
+
+
+@pytest.mark.parametrize(
+  "kwargs, message",
+  [
+    (dict(current_loss_scale=np.float64(1 / 3)), r"got 0.333\d* \(float64\)"),
+    (dict(current_loss_scale=0.1), "got 0.1 \\(float64\\)"),
+    (dict(current_loss_scale=2**24 + 1), "got 16777217 \\(int64\\)"),
+    (
+      dict(current_loss_scale=np.array([4.0, 1 / 3])),
+      r"got 0.333\d* at index \(1,\) \(float64\)",
+    ),
+  ],
+)
+def test_constructor_refuses_state_values_not_exact_in_float32(kwargs, message):
+  with pytest.raises(ValueError, match=message) as error:
+    ols.DynamicLossScale(min_loss_scale=0.0625, **kwargs)
+  assert str(error.value).startswith(
+    "`DynamicLossScale(current_loss_scale=...)` must be exact in float32"
+  )
+
+
+@pytest.mark.parametrize(
+  "kwargs, got",
+  [
+    (dict(current_loss_scale=np.complex64(8)), "np.complex64"),
+    (dict(current_loss_scale=np.bool_(True)), "np.True_"),
+    (dict(current_loss_scale=jnp.array([True])), "dtype bool"),
+    (dict(num_good_steps=np.float16(3)), "np.float16"),
+    (dict(num_good_steps=jnp.bfloat16(3)), "bfloat16"),
+    (dict(hysteresis=2, hysteresis_budget=np.float64(1)), "np.float64"),
+  ],
+)
+def test_constructor_refuses_state_of_a_dtype_that_does_not_convert(
+  kwargs, got
+):
+  (name,) = (k for k in kwargs if k != "hysteresis")
+  with pytest.raises(TypeError, match=f"got .*{got}") as error:
+    ols.DynamicLossScale(**kwargs)
+  assert str(error.value).startswith(f"`DynamicLossScale({name}=...)` must be")
+
+
+def test_constructor_converts_traced_state_only_of_an_exact_dtype():
+  @jax.jit
+  def build(scale, steps):
+    ls = ols.DynamicLossScale(current_loss_scale=scale, num_good_steps=steps)
+    return ls.update({"g": jnp.ones(())})[0]
+
+  out = build(jnp.float16(4), jnp.int8(3))
+  assert out.current_loss_scale.dtype == jnp.float32
+  assert out.num_good_steps.dtype == jnp.int32
+  assert int(out.num_good_steps) == 4
+  # Its values unknown, an int32 may not be exact in float32.
+  with pytest.raises(TypeError, match=r"current_loss_scale=...\)` .*traced"):
+    build(jnp.int32(4), jnp.int32(3))
+
+
+def test_constructor_refuses_state_fields_of_different_shapes():
+  with pytest.raises(ValueError) as error:
+    ols.DynamicLossScale(
+      current_loss_scale=jnp.full((2,), 8.0), num_good_steps=jnp.zeros(3, int)
+    )
+  assert str(error.value) == (
+    "`DynamicLossScale(num_good_steps=...)` must have the shape of"
+    " current_loss_scale, (2,) (a leading replica axis included), got (3,)."
+  )
+  with pytest.raises(ValueError, match=r"shape \(2,\): pass num_good_steps"):
+    ols.DynamicLossScale(current_loss_scale=jnp.full((2,), 8.0))
+  stacked = ols.DynamicLossScale(
+    hysteresis=2,
+    current_loss_scale=np.full((1, 2), 8.0),
+    num_good_steps=np.zeros((1, 2), np.int32),
+    hysteresis_budget=np.ones((1, 2), np.int64),
+  )
+  assert stacked.hysteresis_budget.dtype == np.int32
 
 
 def test_unflattening_neither_checks_nor_reads_the_state():
