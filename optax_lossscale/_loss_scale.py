@@ -25,7 +25,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Callable
-from typing import Any, Self
+from typing import Any, NoReturn, Self
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +64,20 @@ def _map_arrays(fn: Any, tree: Any, method: str) -> Any:
   return jax.tree.map(leaf, tree, is_leaf=lambda x: x is None)
 
 
+def _not_a_number(operation: str) -> Callable[..., NoReturn]:
+  """A method that refuses `operation`: a loss scale is not a number."""
+
+  def refuse(self: Any, *args: Any) -> NoReturn:
+    raise TypeError(
+      f"`{operation}` with a {type(self).__name__}: a loss scale is not a"
+      " number. Call `loss_scale.scale(loss)` to scale a loss (and"
+      " `loss_scale.unscale(grads)` to unscale gradients), or `loss_scale()`"
+      " for the scale itself, a float32 array."
+    )
+
+  return refuse
+
+
 class LossScale(abc.ABC):
   """The base class of loss scales: a scale factor and how it evolves.
 
@@ -91,7 +105,49 @@ class LossScale(abc.ABC):
     >>> loss_scale, should_apply = loss_scale.update(grads)
     >>> grads["w"], bool(should_apply)
     (Array([2., 1.], dtype=float32), True)
+
+    A loss scale is not a number; arithmetic and conversions with it raise a
+    `TypeError` that says what to call instead:
+
+    >>> jnp.float32(0.5) * loss_scale
+    Traceback (most recent call last):
+    ...
+    TypeError: `x * loss_scale` with a DynamicLossScale: a loss scale is not
+    a number. Call `loss_scale.scale(loss)` to scale a loss (and
+    `loss_scale.unscale(grads)` to unscale gradients), or `loss_scale()` for
+    the scale itself, a float32 array.
   """
+
+  # NumPy defers to the reflected operators below instead of making an
+  # object array.
+  __array_ufunc__ = None
+  __add__ = _not_a_number("loss_scale + x")
+  __radd__ = _not_a_number("x + loss_scale")
+  __sub__ = _not_a_number("loss_scale - x")
+  __rsub__ = _not_a_number("x - loss_scale")
+  __mul__ = _not_a_number("loss_scale * x")
+  __rmul__ = _not_a_number("x * loss_scale")
+  __matmul__ = _not_a_number("loss_scale @ x")
+  __rmatmul__ = _not_a_number("x @ loss_scale")
+  __truediv__ = _not_a_number("loss_scale / x")
+  __rtruediv__ = _not_a_number("x / loss_scale")
+  __floordiv__ = _not_a_number("loss_scale // x")
+  __rfloordiv__ = _not_a_number("x // loss_scale")
+  __mod__ = _not_a_number("loss_scale % x")
+  __rmod__ = _not_a_number("x % loss_scale")
+  __pow__ = _not_a_number("loss_scale ** x")
+  __rpow__ = _not_a_number("x ** loss_scale")
+  __neg__ = _not_a_number("-loss_scale")
+  __pos__ = _not_a_number("+loss_scale")
+  __abs__ = _not_a_number("abs(loss_scale)")
+  __lt__ = _not_a_number("loss_scale < x")
+  __le__ = _not_a_number("loss_scale <= x")
+  __gt__ = _not_a_number("loss_scale > x")
+  __ge__ = _not_a_number("loss_scale >= x")
+  __float__ = _not_a_number("float(loss_scale)")
+  __int__ = _not_a_number("int(loss_scale)")
+  __complex__ = _not_a_number("complex(loss_scale)")
+  __array__ = _not_a_number("np.asarray(loss_scale)")
 
   @abc.abstractmethod
   def __call__(self) -> jax.Array:

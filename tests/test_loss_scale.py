@@ -674,3 +674,55 @@ def test_steps_build_their_state_without_reading_it():
       ls, _ = ls.update({"g": jnp.array(grad)})
     ls = ls.lowered()
   assert float(ls()) == 2.0
+
+
+# --- a loss scale is not a number -------------------------------------------
+
+
+LOSS = jnp.float32(0.5)
+# What is written, and how the message names it.
+NOT_A_NUMBER = [
+  ("loss * ls", lambda ls: LOSS * ls, "x * loss_scale"),
+  ("ls * loss", lambda ls: ls * LOSS, "loss_scale * x"),
+  ("0.5 * ls", lambda ls: 0.5 * ls, "x * loss_scale"),
+  ("np.float32 * ls", lambda ls: np.float32(0.5) * ls, "x * loss_scale"),
+  ("np.ones / ls", lambda ls: np.ones(2) / ls, "x / loss_scale"),
+  ("ls / 2", lambda ls: ls / 2, "loss_scale / x"),
+  ("loss + ls", lambda ls: LOSS + ls, "x + loss_scale"),
+  ("ls - loss", lambda ls: ls - LOSS, "loss_scale - x"),
+  ("2 ** ls", lambda ls: 2**ls, "x ** loss_scale"),
+  ("-ls", lambda ls: -ls, "-loss_scale"),
+  ("ls > 1", lambda ls: ls > 1, "loss_scale > x"),
+  ("float", float, "float(loss_scale)"),
+  ("int", int, "int(loss_scale)"),
+  ("np.asarray", np.asarray, "np.asarray(loss_scale)"),
+  ("jnp.asarray", jnp.asarray, "np.asarray(loss_scale)"),
+]
+
+
+@pytest.mark.parametrize("loss_scale", ALL, ids=lambda x: type(x).__name__)
+@pytest.mark.parametrize(
+  "use, operation",
+  [case[1:] for case in NOT_A_NUMBER],
+  ids=[case[0] for case in NOT_A_NUMBER],
+)
+def test_a_loss_scale_used_as_a_number_says_what_to_call(
+  loss_scale, use, operation
+):
+  with pytest.raises(TypeError) as error:
+    use(loss_scale)
+  assert str(error.value) == (
+    f"`{operation}` with a {type(loss_scale).__name__}: a loss scale"
+    " is not a number. Call `loss_scale.scale(loss)` to scale a loss (and"
+    " `loss_scale.unscale(grads)` to unscale gradients), or `loss_scale()`"
+    " for the scale itself, a float32 array."
+  )
+
+
+def test_a_loss_scale_is_still_a_pytree_and_compares_by_identity():
+  ls = ols.DynamicLossScale(8.0)
+  assert ls == ls and ls != ols.DynamicLossScale(8.0)
+  out = jax.jit(lambda ls: ls.scale(LOSS))(ls)
+  assert out.dtype == jnp.float32 and float(out) == 4.0
+  same = jax.tree.map(lambda x: x, ls)
+  assert float(same()) == 8.0
