@@ -211,9 +211,17 @@ def check_state(tree: T) -> T:
 
   Finds every `LossScaleOptimizerState` and `LossScale` in `tree` (a restored
   checkpoint, a Flax linen `TrainState`, an `nnx.Optimizer` or its
-  `opt_state`, an optimizer state of any nesting) and checks their concrete
-  values, element by element for states stacked over replicas (`pmap`):
+  `opt_state`, an optimizer state of any nesting) and checks their arrays'
+  dtypes and shapes, and their concrete values, element by element for
+  states stacked over replicas (`pmap`) or ensemble members (`vmap`):
 
+  - every array has its field's dtype: float32 scales, int32 counters, bool
+    flags (`should_apply`, the record's `loss_given`, `loss_finite`,
+    `at_floor`) and uint8 `last_skip.leaf_names`;
+  - every array has the shape of the state's `should_apply` (of its
+    `current_loss_scale`, for a bare loss scale), with one more axis for
+    `last_skip.nonfinite` (one count per name in `leaf_names`) and
+    `last_skip.leaf_names`;
   - a `DynamicLossScale`'s scale is finite and in `[min_loss_scale,
     max_loss_scale]`, `num_good_steps` an integer in `[0,
     increment_period)`, `hysteresis_budget` one in `[0, hysteresis]`;
@@ -227,7 +235,7 @@ def check_state(tree: T) -> T:
   does) does not check the state, so that it stays cheap under `jit`. Call
   this after a restore: it returns its argument, so it can wrap the call.
   It reads the values, so it waits for them; call it outside `jit`, where
-  it has concrete values to check (abstract ones pass).
+  it has concrete values to check (under `jit`, only dtypes and shapes are).
 
   Args:
     tree: any pytree holding at least one loss scale. Restore a checkpoint
@@ -239,8 +247,10 @@ def check_state(tree: T) -> T:
 
   Raises:
     ValueError: naming the field (its path in `tree`) and the offending value
-      (and its index, in a stacked state), or if `tree` holds no loss scale.
-    TypeError: if a value has the wrong dtype (a float counter).
+      (and its index, in a stacked state), or the shape it should have; or
+      if `tree` holds no loss scale.
+    TypeError: naming the field, if a value is not of its dtype (a uint8 or
+      Python int counter, a float16 scale).
 
   Examples:
     >>> import jax.numpy as jnp

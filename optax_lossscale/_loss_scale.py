@@ -182,8 +182,9 @@ class LossScale(abc.ABC):
       A new loss scale.
 
     Raises:
-      TypeError: if `config` is not a dict or has keys the class does not take.
-      ValueError: if a value is invalid.
+      TypeError: if `config` is not a dict, or a value has the wrong type.
+      ValueError: if `config` has keys the class does not take (for a frozen
+        dataclass, the names of its static fields), or a value is invalid.
     """
     where = f"`{cls.__name__}.from_config(config)`"
     if not isinstance(config, dict):
@@ -195,7 +196,8 @@ class LossScale(abc.ABC):
       unknown = [k for k in config if k not in hyperparameters]
       if unknown:
         raise ValueError(
-          f"{where} got unknown keys {sorted(map(repr, unknown))}; it takes"
+          f"{where} got unknown keys [{', '.join(sorted(map(repr, unknown)))}];"
+          " it takes"
           f" {sorted(hyperparameters)}."
         )
     return cls(**config)
@@ -360,8 +362,10 @@ class FixedLossScale(LossScale):
     loss_scale_value: the scale, a number of at least 1.
 
   Raises:
-    ValueError: if `loss_scale_value` is below 1, NaN, infinite or not a scalar.
-    TypeError: if it is not a number (bools, strings and None included).
+    ValueError: if `loss_scale_value` is below 1, NaN, infinite, beyond
+      float32's range or not a scalar.
+    TypeError: if it is not a real number (bools, strings, None and complex
+      numbers included) or is a traced value.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -492,15 +496,22 @@ class DynamicLossScale(LossScale):
   otherwise, so a default loss scale has TensorFlow's two leaves). The
   hyperparameters are static and validated on every construction, also when
   the state fields are passed and when a pytree is unflattened. Pass the state
-  fields only to rebuild a loss scale from saved arrays. Concrete ones (Python
-  numbers, NumPy arrays, JAX arrays that are not tracers) are checked, element
-  by element for a state stacked over replicas: the scale must be finite and
-  in `[min_loss_scale, max_loss_scale]`, `num_good_steps` an integer in
+  fields only to rebuild a loss scale from saved arrays. Each is converted to
+  its dtype if its values are exact in it (a float16, bfloat16, float64 or
+  integer scale; a counter of any integer dtype), and refused otherwise: a
+  float64 `1/3` or a Python `0.1` is not a float32 value (pass
+  `np.float32(0.1)` to round it), nor is a bool a number. A traced value is
+  converted only from a dtype whose every value is exact (float16 to float32,
+  int8 to int32, not int32 to float32). The fields passed must have one
+  shape, that of the state: a scalar, or stacked over replicas with leading
+  axes. Concrete values (Python numbers, NumPy arrays, JAX arrays that are not
+  tracers) are checked element by element: the scale must be finite and in
+  `[min_loss_scale, max_loss_scale]`, `num_good_steps` an integer in
   `[0, increment_period)` and `hysteresis_budget` one in `[0, hysteresis]`
   (None when `hysteresis=1`). A JAX array is read for this, which waits for
-  it. Unflattening (under `jit`, in `jax.tree.map`, in an Orbax restore)
-  neither checks nor reads the state: check a restored tree with
-  `check_state`.
+  it, and converted where it lives. Unflattening (under `jit`, in
+  `jax.tree.map`, in an Orbax restore) neither checks, converts nor reads the
+  state: check a restored tree with `check_state`.
 
   Args:
     initial_loss_scale: the starting scale. The default, 2**15, is about half
@@ -519,11 +530,14 @@ class DynamicLossScale(LossScale):
     hysteresis_budget: the hysteresis budget, to restore a saved state.
 
   Raises:
-    TypeError: if an argument has the wrong type (bools and strings included).
+    TypeError: if a hyperparameter has the wrong type (bools and strings
+      included), or a state value a dtype that does not convert to its own
+      (a complex or bool scale, a float counter, a traced int32 scale).
     ValueError: if `increment_period < 1`, `multiplier <= 1`, `hysteresis < 1`,
       or `0 < min_loss_scale <= initial_loss_scale <= max_loss_scale` does not
-      hold with finite float32 values; or if a concrete state value is out of
-      its range (the message names the field and the value).
+      hold with finite float32 values; if a concrete state value is out of
+      its range or not exact in its dtype, or the state values passed differ
+      in shape (the message names the field and the value).
 
   Examples:
     >>> import jax.numpy as jnp
@@ -795,6 +809,11 @@ class DynamicLossScale(LossScale):
 
     Returns:
       A new `DynamicLossScale` in its initial state.
+
+    Raises:
+      TypeError: if `config` is not a dict, or a value has the wrong type.
+      ValueError: if `config` has keys other than the hyperparameters' (a
+        state field included), or a value is invalid.
     """
     return super().from_config(config)
 

@@ -155,7 +155,7 @@ def deserialize(config: dict[str, Any]) -> LossScale:
   if "class_name" not in config or "config" not in config or unknown:
     raise ValueError(
       f"{where} takes a dict with the keys 'class_name' and 'config', got"
-      f" the keys {sorted(map(repr, config))}."
+      f" the keys [{', '.join(sorted(map(repr, config)))}]."
     )
   name, inner = config["class_name"], config["config"]
   if not isinstance(name, str):
@@ -210,7 +210,11 @@ def get(identifier: Any) -> LossScale | None:
     A `LossScale`, or None.
 
   Raises:
-    ValueError: for anything else.
+    ValueError: for anything else (a bool, another string, a list), and as
+      `FixedLossScale` and `deserialize` raise it for a number or dict they
+      refuse (a number below 1, an unknown class).
+    TypeError: as `FixedLossScale` and `deserialize` raise it for a number or
+      dict they refuse (a complex number, a config value of the wrong type).
 
   Examples:
     >>> import optax_lossscale as ols

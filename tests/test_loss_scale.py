@@ -85,6 +85,11 @@ def test_fixed_rejects_bad_values_naming_the_argument(value, error):
     ols.FixedLossScale(value)
 
 
+def test_fixed_refuses_a_traced_value():
+  with pytest.raises(TypeError, match=r"loss_scale_value=...\)` .* traced"):
+    jax.jit(lambda v: ols.FixedLossScale(v)())(jnp.float32(2.0))
+
+
 # --- DynamicLossScale: TensorFlow's test vectors ---------------------------
 
 

@@ -193,6 +193,15 @@ def test_deserialize_rejects_malformed_configs(config, error):
     ols.deserialize(config)
 
 
+def test_deserialize_names_the_keys_it_was_given():
+  with pytest.raises(ValueError) as error:
+    ols.deserialize({"class_name": "FixedLossScale", "config": {}, "extra": 1})
+  assert str(error.value) == (
+    "`deserialize(config)` takes a dict with the keys 'class_name' and"
+    " 'config', got the keys ['class_name', 'config', 'extra']."
+  )
+
+
 def test_deserialize_refuses_unregistered_subclasses_until_registered():
   class Halving(ols.NoOpLossScale):
     pass
@@ -218,3 +227,75 @@ def test_register_rejects_non_loss_scales_and_name_clashes():
 def test_serialize_rejects_non_loss_scales():
   with pytest.raises(TypeError, match="loss_scale"):
     ols.serialize(2.0)  # type: ignore[arg-type]
+
+
+# --- the Raises sections -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  "cls, config, error, match",
+  [
+    (
+      ols.FixedLossScale,
+      [("loss_scale_value", 2.0)],
+      TypeError,
+      "takes a dict",
+    ),
+    (ols.FixedLossScale, {"loss_scale_value": "2"}, TypeError, "a number"),
+    (
+      ols.FixedLossScale,
+      {"value": 2.0},
+      ValueError,
+      r"unknown keys \['value'\]",
+    ),
+    (ols.FixedLossScale, {"loss_scale_value": 0.5}, ValueError, "at least 1"),
+    (
+      ols.DynamicLossScale,
+      {"current_loss_scale": 8.0},
+      ValueError,
+      r"unknown keys \['current_loss_scale'\]",
+    ),
+    (ols.DynamicLossScale, {"multiplier": 1.0}, ValueError, "greater than 1"),
+    (ols.DynamicLossScale, {"hysteresis": 1.5}, TypeError, "hysteresis"),
+    (ols.NoOpLossScale, {"loss_scale_value": 2.0}, ValueError, "unknown keys"),
+  ],
+)
+def test_from_config_raises_as_documented(cls, config, error, match):
+  with pytest.raises(error, match=match) as raised:
+    cls.from_config(config)
+  assert cls.__name__ in str(raised.value)
+
+
+@pytest.mark.parametrize(
+  "identifier, error, match",
+  [
+    (0.5, ValueError, "at least 1"),
+    (np.array([2.0, 4.0]), ValueError, "scalar"),
+    (np.complex64(2), TypeError, "real number"),
+    ({"class_name": "NoSuchLossScale", "config": {}}, ValueError, "unknown"),
+    (
+      {"class_name": "FixedLossScale", "config": {"loss_scale_value": "2"}},
+      TypeError,
+      "a number",
+    ),
+  ],
+)
+def test_get_raises_what_fixed_loss_scale_and_deserialize_raise(
+  identifier, error, match
+):
+  with pytest.raises(error, match=match):
+    ols.get(identifier)
+
+
+def test_register_refuses_a_name_another_registered_class_has():
+  def make():
+    class TakenOnce(ols.NoOpLossScale):
+      pass
+
+    return TakenOnce
+
+  first = make()
+  assert ols.register_loss_scale(first) is first
+  assert ols.register_loss_scale(first) is first  # the same class again
+  with pytest.raises(ValueError, match="'TakenOnce' is already taken by"):
+    ols.register_loss_scale(make())
