@@ -10,7 +10,6 @@ import numpy as np
 
 from optax_lossscale import _validation
 from optax_lossscale._loss_scale import (
-  STATE_DTYPES,
   DynamicLossScale,
   LossScale,
   check_state_values,
@@ -68,11 +67,15 @@ def _unwrapped(x: Any) -> Any:
 def _check_array(
   where: str, value: Any, dtype: Any, batch: Batch, extra_axis: bool = False
 ) -> None:
-  """Raises unless `value` is of `dtype` and of the batch's shape.
-
-  With `extra_axis`, of the batch's shape plus one trailing axis.
-  """
+  """Raises unless `value` is of `dtype` and of the batch's shape."""
   _validation.state_dtype(where, value, dtype, convert=False)
+  _check_shape(where, value, batch, extra_axis)
+
+
+def _check_shape(
+  where: str, value: Any, batch: Batch, extra_axis: bool = False
+) -> None:
+  """Raises unless `value` has the batch's shape (plus one trailing axis)."""
   shape = _validation.shape_of(value)
   if batch is None or shape is None:
     return
@@ -171,7 +174,7 @@ def _check_loss_scale(loss_scale: LossScale, path: str, batch: Batch) -> None:
   if batch is None:
     batch = _batch(path, names[0], state[names[0]])
   for name, value in state.items():
-    _check_array(_field(path, name), value, STATE_DTYPES[name], batch)
+    _check_shape(_field(path, name), value, batch)
 
 
 def _check_optimizer_state(state: LossScaleOptimizerState, path: str) -> int:

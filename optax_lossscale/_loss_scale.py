@@ -147,7 +147,7 @@ class LossScale(abc.ABC):
   __float__ = _not_a_number("float(loss_scale)")
   __int__ = _not_a_number("int(loss_scale)")
   __complex__ = _not_a_number("complex(loss_scale)")
-  __array__ = _not_a_number("np.asarray(loss_scale)")
+  __array__ = _not_a_number("asarray(loss_scale)")
 
   @abc.abstractmethod
   def __call__(self) -> jax.Array:
@@ -563,8 +563,12 @@ class DynamicLossScale(LossScale):
     4.0 False
     2.0 False
 
-    State values passed to the constructor are checked:
+    State values passed to the constructor are converted to float32 and
+    int32 when they are exact in them, and checked:
 
+    >>> import numpy as np
+    >>> ols.DynamicLossScale(current_loss_scale=np.float16(8)).current_loss_scale
+    array(8., dtype=float32)
     >>> ols.DynamicLossScale(current_loss_scale=jnp.float32(jnp.nan))
     Traceback (most recent call last):
     ...
@@ -624,7 +628,7 @@ class DynamicLossScale(LossScale):
     else:
       # A Python number would become a weakly typed array: another trace.
       state = {
-        name: np.asarray(value, STATE_DTYPES[name])
+        name: np.asarray(value, _STATE_DTYPES[name])
         if isinstance(value, (int, float)) and not isinstance(value, bool)
         else value
         for name, value in passed.items()
@@ -820,7 +824,7 @@ class DynamicLossScale(LossScale):
 
 _DYNAMIC_STATE = ("current_loss_scale", "num_good_steps", "hysteresis_budget")
 # The dtype of each array of a `DynamicLossScale`'s state.
-STATE_DTYPES = {
+_STATE_DTYPES = {
   "current_loss_scale": np.dtype(np.float32),
   "num_good_steps": np.dtype(np.int32),
   "hysteresis_budget": np.dtype(np.int32),
@@ -897,7 +901,7 @@ def check_state_values(
 ) -> dict[str, Any]:
   """Raises unless the values in `state` are valid for `loss_scale`.
 
-  Each value must be of its field's dtype (`STATE_DTYPES`); with `convert`,
+  Each value must be of its field's dtype (`_STATE_DTYPES`); with `convert`,
   of any dtype whose values convert exactly. Concrete values are then checked
   element by element; abstract ones (tracers, shapes) only for their dtype.
 
@@ -928,7 +932,7 @@ def check_state_values(
     bounds = _bounds(loss_scale, name)
     if value is None:
       raise ValueError(f"{where} must be {bounds['expected']}, got None.")
-    dtype = STATE_DTYPES[name]
+    dtype = _STATE_DTYPES[name]
     _validation.state_dtype(where, value, dtype, convert=convert)
     _validation.elements(where, value, **bounds)
     if convert:

@@ -189,6 +189,7 @@ def test_check_state_passes_abstract_values_and_needs_a_loss_scale():
   bad = state._replace(skipped_steps=jnp.int32(-1))
   out = jax.jit(ols.check_state)(bad)  # tracers: nothing to read
   assert int(out.skipped_steps) == -1
+  ols.check_state(jax.eval_shape(lambda: bad))  # shapes: nothing to read
   ols.check_state(ols.FixedLossScale(8.0))  # no array state
   ols.check_state([ols.NoOpLossScale(), None])
   with pytest.raises(ValueError, match="found no loss scale in `tree` \\(a"):

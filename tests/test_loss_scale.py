@@ -700,8 +700,8 @@ NOT_A_NUMBER = [
   ("ls > 1", lambda ls: ls > 1, "loss_scale > x"),
   ("float", float, "float(loss_scale)"),
   ("int", int, "int(loss_scale)"),
-  ("np.asarray", np.asarray, "np.asarray(loss_scale)"),
-  ("jnp.asarray", jnp.asarray, "np.asarray(loss_scale)"),
+  ("np.asarray", np.asarray, "asarray(loss_scale)"),
+  ("jnp.asarray", jnp.asarray, "asarray(loss_scale)"),
 ]
 
 
