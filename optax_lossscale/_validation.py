@@ -126,12 +126,11 @@ def state_dtype(where: str, value: Any, dtype: Any, *, convert: bool) -> None:
   elif isinstance(value, (np.ndarray, np.generic, jax.Array, numbers.Number)):
     # A Python number is refused without `convert`: under `jit` it would be
     # weakly typed.
-    array = not isinstance(value, numbers.Number) or isinstance(
-      value, np.generic
-    )
-    got = np.asarray(value).dtype
-    if isinstance(value, jax.Array):  # without reading it
-      got = value.dtype
+    array = isinstance(value, (np.ndarray, np.generic, jax.Array))
+    if isinstance(value, (np.ndarray, np.generic, jax.Array)):
+      got = np.dtype(value.dtype)  # a JAX array is not read
+    else:
+      got = np.asarray(value).dtype
     if got == np.bool_ and dtype != np.bool_:
       ok = False
     elif convert:
