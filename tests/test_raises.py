@@ -25,3 +25,13 @@ def test_skip_report_needs_exactly_one_optimizer_state():
     ols.skip_report(optax.sgd(0.1).init({"w": jnp.ones(2)}))
   with pytest.raises(ValueError, match=r"`skip_report\(opt_state\)`.*found 2"):
     ols.skip_report([state, state])
+
+
+def test_skip_reports_needs_exactly_one_optimizer_state():
+  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale())
+  state = tx.init({"w": jnp.ones(2)})
+  assert ols.skip_reports(state) == []
+  with pytest.raises(ValueError, match=r"`skip_reports\(opt_state\)`.*found 0"):
+    ols.skip_reports(optax.sgd(0.1).init({"w": jnp.ones(2)}))
+  with pytest.raises(ValueError, match=r"`skip_reports\(opt_state\)`.*found 2"):
+    ols.skip_reports((state, state))
