@@ -790,10 +790,13 @@ class DynamicLossScale(LossScale):
       "initial_loss_scale": self.initial_loss_scale,
       "increment_period": self.increment_period,
       "multiplier": self.multiplier,
-      "min_loss_scale": self.min_loss_scale,
-      "max_loss_scale": self.max_loss_scale,
     }
-    # Written only when set, so a default config keeps 0.1.0's keys.
+    # Written only when not the defaults (TensorFlow's), so that a config
+    # TensorFlow could write is exactly TensorFlow's three keys.
+    if self.min_loss_scale != 1.0:
+      config["min_loss_scale"] = self.min_loss_scale
+    if self.max_loss_scale is not None:
+      config["max_loss_scale"] = self.max_loss_scale
     if self.hysteresis != 1:
       config["hysteresis"] = self.hysteresis
     if self.consecutive_hysteresis:

@@ -144,9 +144,7 @@ def deserialize(config: dict[str, Any]) -> LossScale:
     ...                  "config": {"initial_loss_scale": 256.0,
     ...                             "increment_period": 100,
     ...                             "multiplier": 2.0}}).get_config()
-    ... # doctest: +NORMALIZE_WHITESPACE
-    {'initial_loss_scale': 256.0, 'increment_period': 100, 'multiplier': 2.0,
-     'min_loss_scale': 1.0, 'max_loss_scale': None}
+    {'initial_loss_scale': 256.0, 'increment_period': 100, 'multiplier': 2.0}
   """
   where = "`deserialize(config)`"
   if not isinstance(config, dict):

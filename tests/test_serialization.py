@@ -68,9 +68,23 @@ def test_from_config_round_trip():
     "initial_loss_scale": 1.0,
     "increment_period": 2,
     "multiplier": 3.0,
-    "min_loss_scale": 1.0,
-    "max_loss_scale": None,
+  }  # TensorFlow's keys: the bounds are the defaults
+  bounded = ols.DynamicLossScale(4, 2, 2, min_loss_scale=2, max_loss_scale=64)
+  assert ols.DynamicLossScale.from_config(
+    bounded.get_config()
+  ).get_config() == {
+    "initial_loss_scale": 4.0,
+    "increment_period": 2,
+    "multiplier": 2.0,
+    "min_loss_scale": 2.0,
+    "max_loss_scale": 64.0,
   }
+  # A config 0.1.0 wrote, with the default bounds spelled out, still loads.
+  old = {**loss_scale.get_config(), "min_loss_scale": 1.0}
+  old["max_loss_scale"] = None
+  assert ols.DynamicLossScale.from_config(old).get_config() == (
+    loss_scale.get_config()
+  )
   fixed = ols.FixedLossScale.from_config({"loss_scale_value": 5.0})
   assert fixed.loss_scale_value == 5.0
 
