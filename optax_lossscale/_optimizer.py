@@ -168,6 +168,21 @@ def _trace_once(fn: _Branch, *args: Any) -> tuple[_Branch, Any]:
   return replay, jax.eval_shape(replay, *args)
 
 
+def _passing_extra_args(
+  inner: optax.GradientTransformation,
+) -> optax.GradientTransformationExtraArgs:
+  """`inner` as a transformation whose `update` takes extra arguments.
+
+  `optax.MultiSteps.update` takes extra arguments and passes them to the
+  optimizer it wraps, but its `gradient_transformation()` is a plain
+  `GradientTransformation`, whose extra arguments
+  `optax.with_extra_args_support` would drop: it keeps its own methods.
+  """
+  if isinstance(getattr(inner.update, "__self__", None), optax.MultiSteps):
+    return optax.GradientTransformationExtraArgs(inner.init, inner.update)
+  return optax.with_extra_args_support(inner)
+
+
 class LossScaleOptimizer:
   """Wraps an optimizer with loss scaling: unscale, check, update or skip.
 
@@ -208,7 +223,12 @@ class LossScaleOptimizer:
   PyTorch's recipe: a finite micro-batch counts as a good step, grows the
   scale and refills the hysteresis budget only when it completes a window
   (`increment_period` counts windows). The window is read from `inner`'s
-  state (an `optax.MultiStepsState`, wherever it is nested).
+  state (an `optax.MultiStepsState`, wherever it is nested). Extra arguments
+  (`value=` included) reach the optimizer inside `MultiSteps` in both forms
+  (an `optax.contrib.reduce_on_plateau` there gets the loss). Wrapped in
+  anything else first (an `optax.chain`), the `gradient_transformation()`
+  form loses them: with optax 0.2.8 it is a plain `GradientTransformation`,
+  whose extra arguments the wrapper drops before `MultiSteps` sees them.
 
   Args:
     inner: the optimizer to wrap, any Optax transformation (or an
@@ -249,7 +269,7 @@ class LossScaleOptimizer:
   ) -> None:
     call = "LossScaleOptimizer"
     if isinstance(inner, optax.MultiSteps):
-      inner = inner.gradient_transformation()
+      inner = optax.GradientTransformationExtraArgs(inner.init, inner.update)
     if not isinstance(inner, optax.GradientTransformation):
       raise TypeError(
         f"`{call}(inner=...)` must be an Optax transformation"
@@ -258,7 +278,7 @@ class LossScaleOptimizer:
       )
     check_loss_scale(call, loss_scale)
     _validation.boolean(call, "skip_nonfinite", skip_nonfinite)
-    self.inner = optax.with_extra_args_support(inner)
+    self.inner = _passing_extra_args(inner)
     self.loss_scale = loss_scale
     self.skip_nonfinite = bool(skip_nonfinite)
     self.axis_name = axis_name
