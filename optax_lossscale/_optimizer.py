@@ -12,7 +12,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from optax_lossscale import _numerics, _retry, _validation
+from optax_lossscale import _cond, _numerics, _retry, _validation
 from optax_lossscale._loss_scale import LossScale
 from optax_lossscale._states import (
   LossScaleOptimizerState,
@@ -609,8 +609,14 @@ class LossScaleOptimizer:
         record = new if held is None else optax.tree.where(held, record, new)
       return *skip(params, inner_state), record
 
-    out, inner_state, record = lax.cond(
-      applies, apply_, skip_, params, state.inner_state, state.last_skip
+    out, inner_state, record = _cond.cond(
+      applies,
+      apply_,
+      skip_,
+      params,
+      state.inner_state,
+      state.last_skip,
+      sharded_like=grads,
     )
     window_open = _window_open(inner_state)
     if window_open is not None:
