@@ -53,11 +53,19 @@ def _check_leaf(leaf: Any, method: str) -> jax.Array:
   return x
 
 
+def _passes_unchanged(x: Any) -> bool:
+  """`None`, `float0`, integer and bool leaves: nothing to scale or check."""
+  if x is None or _numerics.is_float0(x):
+    return True
+  dtype = jnp.result_type(x)
+  return bool(jnp.issubdtype(dtype, jnp.integer) or dtype == jnp.bool_)
+
+
 def _map_arrays(fn: Any, tree: Any, method: str) -> Any:
-  """Maps `fn` over the array leaves; `None` and `float0` leaves pass as is."""
+  """Maps `fn` over the float leaves; `_passes_unchanged` leaves pass as is."""
 
   def leaf(x: Any) -> Any:
-    if x is None or _numerics.is_float0(x):
+    if _passes_unchanged(x):
       return x
     return fn(_check_leaf(x, method))
 
@@ -240,7 +248,8 @@ class LossScale(abc.ABC):
       tree: a pytree of floating-point arrays (typically the loss).
 
     Returns:
-      A pytree of the same structure and dtypes. `None` leaves stay `None`.
+      A pytree of the same structure and dtypes. `None` leaves stay `None`;
+      integer, bool and `float0` leaves pass unchanged.
     """
     s = self()
 
@@ -265,7 +274,8 @@ class LossScale(abc.ABC):
       tree: a pytree of floating-point arrays (typically scaled gradients).
 
     Returns:
-      A pytree of the same structure and dtypes. `None` leaves stay `None`.
+      A pytree of the same structure and dtypes. `None` leaves stay `None`;
+      integer, bool and `float0` leaves pass unchanged.
     """
     s = self()
     inverses: dict[Any, jax.Array] = {}
@@ -340,7 +350,9 @@ def _scaled_grads_finite(
   consumes the unscaled gradients (the inner optimizer's update).
   """
   leaves = [
-    _check_leaf(x, "update") for x in _numerics.array_leaves(scaled_grads)
+    _check_leaf(x, "update")
+    for x in _numerics.array_leaves(scaled_grads)
+    if not _passes_unchanged(x)
   ]
   return _numerics.verdict(leaves, axis_name)
 

@@ -12,7 +12,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from optax_lossscale import _numerics, _retry, _validation
+from optax_lossscale import _cond, _numerics, _retry, _validation
 from optax_lossscale._loss_scale import LossScale
 from optax_lossscale._states import (
   LossScaleOptimizerState,
@@ -65,6 +65,52 @@ def check_structure(call: str, updates: Any, params: Any) -> None:
       " `updates` does not match that of `params`:"
       f" {jax.tree.structure(updates)} vs {jax.tree.structure(params)}."
     )
+  pairs = zip(
+    jax.tree_util.tree_leaves_with_path(updates),
+    jax.tree.leaves(params),
+    strict=True,
+  )
+  for (path, g), p in pairs:
+    if jnp.shape(g) != jnp.shape(p):
+      raise ValueError(
+        f"`{call}.update(updates, state, params)`: the gradient at"
+        f" {jax.tree_util.keystr(path) or '<root>'} has shape"
+        f" {jnp.shape(g)}, but its parameter has shape {jnp.shape(p)}."
+      )
+
+
+def _varying(x: Any) -> frozenset[Any]:
+  """The mesh axes along which `x` varies inside `shard_map` (its vma)."""
+  aval = jax.typeof(x)
+  mat = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
+  vma = getattr(aval, "vma", None) if mat is None else mat.varying
+  return frozenset(vma or ())
+
+
+def varying_grads_error(call: str, grads: Any) -> ValueError | None:
+  """The error naming gradients that vary across devices, or None.
+
+  Inside `shard_map` (with `check_vma`), gradients not averaged across
+  devices vary, while the parameters and state usually do not: a step and a
+  skip then return different types, and the step's `cond` fails.
+  """
+  varying = [
+    (jax.tree_util.keystr(path) or "<root>", _varying(g))
+    for path, g in jax.tree_util.tree_leaves_with_path(grads)
+  ]
+  varying = [(name, axes) for name, axes in varying if axes]
+  if not varying:
+    return None
+  axes = sorted(set().union(*(a for _, a in varying)), key=str)
+  names = ", ".join(name for name, _ in varying[:3])
+  axis_name = axes[0] if len(axes) == 1 else tuple(axes)
+  return ValueError(
+    f"`{call}`: inside `shard_map`, the gradients at {names} vary across"
+    f" devices along mesh axes {axes}, but the parameters or optimizer state"
+    " do not, so an applied step and a skipped one would differ in type."
+    " Average the gradients across devices before the step:"
+    f" `grads = jax.lax.pmean(grads, {axis_name!r})`."
+  )
 
 
 def loss_verdict(call: str, value: Any) -> jax.Array:
@@ -168,6 +214,21 @@ def _trace_once(fn: _Branch, *args: Any) -> tuple[_Branch, Any]:
   return replay, jax.eval_shape(replay, *args)
 
 
+def _passing_extra_args(
+  inner: optax.GradientTransformation,
+) -> optax.GradientTransformationExtraArgs:
+  """`inner` as a transformation whose `update` takes extra arguments.
+
+  `optax.MultiSteps.update` takes extra arguments and passes them to the
+  optimizer it wraps, but its `gradient_transformation()` is a plain
+  `GradientTransformation`, whose extra arguments
+  `optax.with_extra_args_support` would drop: it keeps its own methods.
+  """
+  if isinstance(getattr(inner.update, "__self__", None), optax.MultiSteps):
+    return optax.GradientTransformationExtraArgs(inner.init, inner.update)
+  return optax.with_extra_args_support(inner)
+
+
 class LossScaleOptimizer:
   """Wraps an optimizer with loss scaling: unscale, check, update or skip.
 
@@ -208,7 +269,12 @@ class LossScaleOptimizer:
   PyTorch's recipe: a finite micro-batch counts as a good step, grows the
   scale and refills the hysteresis budget only when it completes a window
   (`increment_period` counts windows). The window is read from `inner`'s
-  state (an `optax.MultiStepsState`, wherever it is nested).
+  state (an `optax.MultiStepsState`, wherever it is nested). Extra arguments
+  (`value=` included) reach the optimizer inside `MultiSteps` in both forms
+  (an `optax.contrib.reduce_on_plateau` there gets the loss). Wrapped in
+  anything else first (an `optax.chain`), the `gradient_transformation()`
+  form loses them: with optax 0.2.8 it is a plain `GradientTransformation`,
+  whose extra arguments the wrapper drops before `MultiSteps` sees them.
 
   Args:
     inner: the optimizer to wrap, any Optax transformation (or an
@@ -249,7 +315,7 @@ class LossScaleOptimizer:
   ) -> None:
     call = "LossScaleOptimizer"
     if isinstance(inner, optax.MultiSteps):
-      inner = inner.gradient_transformation()
+      inner = optax.GradientTransformationExtraArgs(inner.init, inner.update)
     if not isinstance(inner, optax.GradientTransformation):
       raise TypeError(
         f"`{call}(inner=...)` must be an Optax transformation"
@@ -258,7 +324,7 @@ class LossScaleOptimizer:
       )
     check_loss_scale(call, loss_scale)
     _validation.boolean(call, "skip_nonfinite", skip_nonfinite)
-    self.inner = optax.with_extra_args_support(inner)
+    self.inner = _passing_extra_args(inner)
     self.loss_scale = loss_scale
     self.skip_nonfinite = bool(skip_nonfinite)
     self.axis_name = axis_name
@@ -325,6 +391,13 @@ class LossScaleOptimizer:
 
     Returns:
       `(updates, new_state)`.
+
+    Raises:
+      ValueError: if `grads` and `params` (when given) differ in structure,
+        or a leaf in shape, naming the leaf; or if, inside `shard_map`, the
+        gradients vary across devices where the parameters and state do not
+        (they were not averaged with `lax.pmean`).
+      TypeError: if `state` is not a `LossScaleOptimizerState`.
     """
     self._check(grads, state, params)
     loss_scale = state.loss_scale
@@ -367,6 +440,13 @@ class LossScaleOptimizer:
 
     Returns:
       `(new_params, new_state)`.
+
+    Raises:
+      ValueError: if `grads` and `params` (when given) differ in structure,
+        or a leaf in shape, naming the leaf; or if, inside `shard_map`, the
+        gradients vary across devices where the parameters and state do not
+        (they were not averaged with `lax.pmean`).
+      TypeError: if `state` is not a `LossScaleOptimizerState`.
     """
     self._check(grads, state, params)
     apply, skip = self._fused(grads, state.loss_scale, extra_args)
@@ -589,9 +669,21 @@ class LossScaleOptimizer:
         record = new if held is None else optax.tree.where(held, record, new)
       return *skip(params, inner_state), record
 
-    out, inner_state, record = lax.cond(
-      applies, apply_, skip_, params, state.inner_state, state.last_skip
-    )
+    try:
+      out, inner_state, record = _cond.cond(
+        applies,
+        apply_,
+        skip_,
+        params,
+        state.inner_state,
+        state.last_skip,
+        sharded_like=grads,
+      )
+    except TypeError as e:  # the branches' types differ
+      error = varying_grads_error("LossScaleOptimizer", grads)
+      if error is None:
+        raise
+      raise error from e
     window_open = _window_open(inner_state)
     if window_open is not None:
       # Gradient accumulation: a finite micro-batch that leaves its window
@@ -659,13 +751,19 @@ class LossScaleOptimizer:
         f" {len(flat)} leaves, but the parameters `init` was given had"
         f" {slots}."
       )
-    counted = [i for i, x in enumerate(flat) if not _numerics.is_float0(x)]
+    counted = [
+      i
+      for i, x in enumerate(flat)
+      if not _numerics.is_float0(x)
+      and jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+    ]
     counts = _numerics.nonfinite_counts(
       [flat[i] for i in counted], loss_scale.unscale
     )
     if len(counted) == len(flat):
       return counts
-    per_leaf = [jnp.zeros((), jnp.int32)] * len(flat)  # float0 counts nothing
+    # float0 and integer leaves count nothing.
+    per_leaf = [jnp.zeros((), jnp.int32)] * len(flat)
     for k, i in enumerate(counted):
       per_leaf[i] = counts[k]
     return jnp.stack(per_leaf)

@@ -66,7 +66,9 @@ def unscale_gradients(
     `UnscaleGradientsState`.
 
   Raises:
-    TypeError: if `loss_scale` is not a `LossScale`.
+    TypeError: if `loss_scale` is not a `LossScale`. Its `update` raises
+      ValueError when `params` are given and the gradients differ from them
+      in structure or a leaf's shape (naming the leaf).
 
   Examples:
     >>> import jax.numpy as jnp

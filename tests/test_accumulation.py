@@ -208,3 +208,54 @@ def test_multisteps_outside_checks_the_accumulated_gradients_once_per_window(
     grads = {"w": jnp.array([jnp.nan, 1.0])} if _ == 0 else {"w": jnp.ones(2)}
     _, state = step(grads, state, params)
   assert int(state.inner_opt_state.skipped_steps) == 3
+
+
+def _plateau_inner():
+  # `reduce_on_plateau` requires `value=`: it fails without it.
+  return optax.MultiSteps(
+    optax.chain(optax.sgd(0.5), optax.contrib.reduce_on_plateau(patience=1)),
+    every_k_schedule=2,
+  )
+
+
+@pytest.mark.parametrize("form", ["MultiSteps", "gradient_transformation"])
+@pytest.mark.parametrize("method", ["update", "apply_gradients", "minimize"])
+def test_extra_args_reach_the_optimizer_inside_multisteps(
+  form, method, standard_promotion
+):
+  inner = _plateau_inner()
+  tx = ols.LossScaleOptimizer(
+    inner if form == "MultiSteps" else inner.gradient_transformation(),
+    ols.DynamicLossScale(2.0**4, 1000),
+  )
+  reference = _plateau_inner()
+
+  def loss(p, x):
+    return jnp.sum((p["w"] * x) ** 2)
+
+  params = expected = {"w": jnp.array([1.0, -2.0])}
+  state, ref_state = tx.init(params), reference.init(expected)
+
+  @jax.jit
+  def step(params, state, x):
+    if method == "minimize":
+      _, params, state = tx.minimize(loss, params, state, x)
+      return params, state
+    value, grads = ols.scaled_value_and_grad(loss)(state, params, x)
+    if method == "apply_gradients":
+      return tx.apply_gradients(grads, state, params, value=value)
+    updates, state = tx.update(grads, state, params, value=value)
+    return optax.apply_updates(params, updates), state
+
+  for i in range(6):
+    x = jnp.full(2, 1.0 + 0.25 * i)
+    params, state = step(params, state, x)
+    value, grads = jax.value_and_grad(loss)(expected, x)
+    updates, ref_state = reference.update(
+      grads, ref_state, expected, value=value
+    )
+    expected = optax.apply_updates(expected, updates)
+  chex.assert_trees_all_close(params, expected, rtol=1e-6)
+  chex.assert_trees_all_close(state.inner_state, ref_state, rtol=1e-6)
+  # The losses rise, so the plateau lowered the learning rate.
+  assert float(state.inner_state.inner_opt_state[1].scale) < 1.0

@@ -321,9 +321,25 @@ def test_unscale_is_the_same_with_and_without_jit():
   np.testing.assert_allclose(loss_scale.unscale(x), x / 3.0, rtol=2e-7)
 
 
-def test_scale_rejects_integer_leaves():
-  with pytest.raises(TypeError, match="int32"):
-    ols.FixedLossScale(2).unscale({"a": jnp.arange(3)})
+@pytest.mark.parametrize(
+  "loss_scale",
+  [ols.FixedLossScale(2), ols.DynamicLossScale(8.0), ols.NoOpLossScale()],
+)
+def test_integer_and_bool_leaves_pass_through_scale_and_unscale(loss_scale):
+  tree = {
+    "a": jnp.arange(3),
+    "m": jnp.array([True, False]),
+    "x": jnp.ones(2, jnp.float16),
+  }
+  for method in ("scale", "unscale"):
+    out = jax.jit(getattr(loss_scale, method))(tree)
+    chex.assert_trees_all_equal_dtypes(out, tree)
+    np.testing.assert_array_equal(out["a"], tree["a"])
+    np.testing.assert_array_equal(out["m"], tree["m"])
+  np.testing.assert_array_equal(
+    loss_scale.unscale(tree)["x"], 1.0 / loss_scale()
+  )
+  assert bool(jax.jit(loss_scale.grads_finite)(tree))
 
 
 def test_float0_leaves_pass_through():

@@ -57,6 +57,7 @@ def test_sharded_meshes(axes):
         "sharded_leaves_are_checked_in_place",
         "orbax_sharded_state",
         "vmap_members_sharded",
+        "vmap_members_sharded_inside",
       ]
     )
   )

@@ -15,6 +15,7 @@ import optax
 import pytest
 from flax import nnx
 from flax.training import train_state
+from jax.sharding import PartitionSpec as P
 
 import optax_lossscale as ols
 
@@ -154,6 +155,43 @@ def test_constructor_refuses_bad_arguments_naming_them():
   with pytest.raises(TypeError, match="value"):
     p = {"w": jnp.ones(2)}
     tx.update(p, tx.init(p), p, value=(jnp.ones(()), None))
+
+
+@pytest.mark.parametrize("entry", ["update", "apply_gradients", "unscale"])
+def test_a_gradient_of_the_wrong_shape_is_named_before_tracing(entry):
+  params = _params()
+  grads = dict(_grads(8.0), b=jnp.ones(4))  # `b` is a vector of 3
+  if entry == "unscale":
+    tx = ols.unscale_gradients(ols.DynamicLossScale(8.0))
+    step = tx.update
+  else:
+    tx = ols.LossScaleOptimizer(optax.adam(0.1), ols.DynamicLossScale(8.0))
+    step = getattr(tx, entry)
+  with pytest.raises(ValueError, match=r"\['b'\] has shape \(4,\).* \(3,\)"):
+    jax.jit(step)(grads, tx.init(params), params)
+
+
+@pytest.mark.parametrize("entry", ["update", "apply_gradients"])
+def test_gradients_that_vary_across_devices_name_the_missing_pmean(entry):
+  mesh = jax.make_mesh((1,), ("x",))
+  tx = ols.LossScaleOptimizer(
+    optax.adam(0.1), ols.DynamicLossScale(8.0), axis_name="x"
+  )
+  params = _params()
+  state = tx.init(params)
+
+  def step(params, state, data):
+    grads = jax.tree.map(lambda p: p * data[0], params)  # no pmean: varying
+    if entry == "update":
+      return tx.update(grads, state)
+    return tx.apply_gradients(grads, state, params)
+
+  sharded = jax.shard_map(
+    step, mesh=mesh, in_specs=(P(), P(), P("x")), out_specs=(P(), P())
+  )
+  with pytest.raises(ValueError, match=r"vary across devices.*pmean\(grads"):
+    data = jax.device_put(jnp.ones(1), jax.NamedSharding(mesh, P("x")))
+    jax.jit(sharded)(params, state, data)
 
 
 # --- the extension point: a user's own loss scale ---------------------------

@@ -602,10 +602,41 @@ def test_rejects_a_foreign_state():
     tx.update({"w": jnp.ones(2)}, optax.adam(0.1).init({"w": jnp.ones(2)}))
 
 
-def test_rejects_integer_gradients():
-  tx = ols.loss_scale_optimizer(optax.sgd(0.1), ols.FixedLossScale(2))
-  with pytest.raises(TypeError, match="int32"):
-    tx.update({"w": jnp.ones(2, jnp.int32)}, tx.init({"w": jnp.ones(2)}))
+def _with_integer_leaf(nan=False):
+  params = {"w": jnp.ones(2), "n": jnp.arange(3)}
+  grads = {"w": jnp.array([8.0, jnp.nan if nan else 4.0]), "n": jnp.arange(3)}
+  return params, grads
+
+
+def test_unscale_gradients_passes_integer_leaves_through():
+  tx = optax.chain(
+    ols.unscale_gradients(ols.DynamicLossScale(4.0)), optax.identity()
+  )
+  params, grads = _with_integer_leaf()
+  updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+  np.testing.assert_array_equal(updates["w"], [2.0, 1.0])
+  assert updates["n"].dtype == jnp.int32
+  np.testing.assert_array_equal(updates["n"], grads["n"])
+
+
+@pytest.mark.parametrize("nan", [False, True])
+def test_optimizer_passes_integer_leaves_through(nan):
+  tx = ols.LossScaleOptimizer(optax.identity(), ols.DynamicLossScale(4.0))
+  params, grads = _with_integer_leaf(nan)
+  state = tx.init(params)
+  updates, new = jax.jit(tx.update)(grads, state, params)
+  assert updates["n"].dtype == jnp.int32
+  np.testing.assert_array_equal(updates["n"], 0 if nan else grads["n"])
+  new_params, new = jax.jit(tx.apply_gradients)(grads, state, params)
+  assert new_params["n"].dtype == jnp.int32
+  np.testing.assert_array_equal(
+    new_params["n"], params["n"] + (0 if nan else grads["n"])
+  )
+  assert bool(new.should_apply) is not nan
+  # The skip record counts the float leaf's NaN, and 0 for the integer one.
+  if nan:
+    np.testing.assert_array_equal(new.last_skip.nonfinite, [0, 1])  # n, w
+    assert dict(ols.skip_report(new).nonfinite) == {"['w']": 1}
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])

@@ -1,0 +1,128 @@
+"""A `lax.cond` that `vmap` keeps working on Explicit-sharded cases."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax import lax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+__all__: list[str] = []
+
+
+def _explicitly_sharded(tree: Any) -> bool:
+  """Whether an Explicit mesh axis splits some leaf of `tree` in its type."""
+  for x in jax.tree.leaves(tree):
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if sharding is None or mesh is None or mesh.empty:
+      continue
+    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    for entry in sharding.spec:
+      for name in entry if isinstance(entry, tuple) else (entry,):
+        if name is not None and types[name] == AxisType.Explicit:
+          return True
+  return False
+
+
+def _hoist(
+  fun: Callable[..., Any], operands: tuple[Any, ...]
+) -> tuple[Callable[[Any, Any], Any], list[Any]]:
+  """`fun` traced once, as a function of (its closed-over values, operands).
+
+  Every value `fun` closes over is hoisted, tracers of any dtype included
+  (`jax.closure_convert` keeps integer ones closed over).
+  """
+  closed, shapes = jax.make_jaxpr(fun, return_shape=True)(*operands)
+  out_tree = jax.tree.structure(shapes)
+
+  def replay(consts: Any, operands: Any) -> Any:
+    flat = jax.core.eval_jaxpr(closed.jaxpr, consts, *jax.tree.leaves(operands))
+    return jax.tree.unflatten(out_tree, flat)
+
+  return replay, list(closed.consts)
+
+
+def cond(
+  pred: Any,
+  true_fun: Callable[..., Any],
+  false_fun: Callable[..., Any],
+  *operands: Any,
+  sharded_like: Any = (),
+) -> Any:
+  """`lax.cond(pred, true_fun, false_fun, *operands)`, also under `vmap`.
+
+  `vmap` turns a `cond` whose predicate is batched into a select of both
+  branches' results, and JAX broadcasts the predicate without the cases'
+  sharding: a case that an Explicit mesh axis splits (a member of an
+  ensemble sharded inside, FSDP within each member) then fails with a
+  `ShardingTypeError`. When an Explicit axis splits a leaf of `operands` or
+  of `sharded_like` (what the branches close over, whose shardings their
+  results take), the `cond` is wrapped in `jax.custom_batching.custom_vmap`,
+  whose rule does that select leaf by leaf with the predicate sharded like
+  each case. Otherwise it is `lax.cond` itself, and the step's jaxpr is what
+  it was. The wrapped form lowers to the same `cond` unbatched, but (like any
+  `custom_vmap`) cannot be differentiated in reverse mode.
+  """
+  if not _explicitly_sharded((operands, sharded_like)):
+    return lax.cond(pred, true_fun, false_fun, *operands)
+  # custom_vmap takes no batched value closed over: they become operands.
+  true_c, true_consts = _hoist(true_fun, operands)
+  false_c, false_consts = _hoist(false_fun, operands)
+
+  def plain(pred: Any, consts: Any, operands: Any) -> Any:
+    true_consts, false_consts = consts
+    return lax.cond(
+      pred,
+      lambda *ops: true_c(true_consts, ops),
+      lambda *ops: false_c(false_consts, ops),
+      *operands,
+    )
+
+  run = jax.custom_batching.custom_vmap(plain)
+
+  def rule(
+    size: int, batched: Any, pred: Any, consts: Any, operands: Any
+  ) -> tuple[Any, Any]:
+    axes = jax.tree.map(lambda b: 0 if b else None, batched)
+    if not batched[0]:  # one branch for all members: a batched `cond`
+      out = jax.vmap(plain, in_axes=tuple(axes), axis_size=size)(
+        pred, consts, operands
+      )
+      return out, jax.tree.map(lambda _: True, out)
+    (true_consts, false_consts), ops = consts, operands
+
+    def both(fun: Callable[..., Any], consts: Any, consts_axes: Any) -> Any:
+      return jax.vmap(fun, in_axes=(consts_axes, axes[2]), axis_size=size)(
+        consts, ops
+      )
+
+    on_true = both(true_c, true_consts, axes[1][0])
+    on_false = both(false_c, false_consts, axes[1][1])
+    out = jax.tree.map(lambda t, f: _select(pred, t, f), on_true, on_false)
+    return out, jax.tree.map(lambda _: True, out)
+
+  run.def_vmap(rule)
+  return run(pred, (true_consts, false_consts), operands)
+
+
+def _select(pred: jax.Array, on_true: jax.Array, on_false: jax.Array) -> Any:
+  """`on_true` where the member's `pred` holds, else `on_false`.
+
+  `pred` (one bool per member) is broadcast with the sharding of the cases,
+  as `lax.select` requires.
+  """
+  sharding = jax.typeof(on_true).sharding
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None or mesh.empty:
+    which = lax.broadcast_in_dim(pred, on_true.shape, (0,))
+  else:
+    spec = tuple(sharding.spec) + (None,) * on_true.ndim
+    pred = jax.sharding.reshard(pred, NamedSharding(mesh, P(spec[0])))
+    which = lax.broadcast_in_dim(
+      pred, on_true.shape, (0,), out_sharding=sharding
+    )
+  return lax.select(which, on_true, on_false)
