@@ -18,6 +18,22 @@ def _member(tree, i):
   return jax.tree.map(lambda x: x[i], tree)
 
 
+def _assert_close(actual, expected):
+  """Equal up to a couple of units in the last place of each leaf's dtype.
+
+  XLA fuses a batched update differently from a single member's, which can
+  round the last bit differently (a float16 Adam step by one ulp).
+  """
+
+  def close(a, b):
+    eps = float(jnp.finfo(jnp.asarray(b).dtype).eps)
+    np.testing.assert_allclose(
+      np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=2 * eps
+    )
+
+  jax.tree.map(close, actual, expected)
+
+
 def _stack(trees):
   return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
 
@@ -69,7 +85,7 @@ def test_vmap_members_equal_running_each_member_alone(
     params, state = batched(grads, state, params)
     alone = [single(_member(grads, i), s, p) for i, (p, s) in enumerate(alone)]
     for i, (p, s) in enumerate(alone):
-      chex.assert_trees_all_close(_member(params, i), p, rtol=1e-6)
+      _assert_close(_member(params, i), p)
       chex.assert_trees_all_equal(
         _member(state, i)._replace(inner_state=None),
         s._replace(inner_state=None),
