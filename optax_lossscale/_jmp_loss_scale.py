@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_lossscale import _numerics
+from optax_lossscale import _exact
 
 __all__ = [
   "DynamicLossScale",
@@ -261,7 +261,7 @@ class DynamicLossScale:
   def _backed_off(self) -> Any:
     if _is_python_number(self.loss_scale) and _is_python_number(self.factor):
       return self.loss_scale / self.factor  # Python's division, as in jmp
-    return _numerics.exact_div(self.loss_scale, self.factor)
+    return _exact.exact_div(self.loss_scale, self.factor)
 
   def adjust(self, grads_finite: Any) -> DynamicLossScale:
     """Returns the loss scale for the next step.

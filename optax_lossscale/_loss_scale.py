@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_lossscale import _numerics, _validation
+from optax_lossscale import _exact, _numerics, _validation
 
 __all__ = ["DynamicLossScale", "FixedLossScale", "LossScale", "NoOpLossScale"]
 
@@ -283,7 +283,7 @@ class LossScale(abc.ABC):
     def div(x: jax.Array) -> jax.Array:
       ct = _compute_dtype(x.dtype)
       if ct not in inverses:
-        inverses[ct] = _numerics.exact_div(jnp.ones((), ct), s.astype(ct))
+        inverses[ct] = _exact.exact_div(jnp.ones((), ct), s.astype(ct))
       return (x.astype(ct) * inverses[ct]).astype(x.dtype)
 
     return _map_arrays(div, tree, "unscale")
@@ -747,7 +747,7 @@ class DynamicLossScale(LossScale):
     """The scale divided by `multiplier`, floored: TensorFlow's backoff."""
     scale = jnp.asarray(self.current_loss_scale)
     return jnp.maximum(
-      _numerics.exact_div(scale, jnp.float32(self.multiplier)),
+      _exact.exact_div(scale, jnp.float32(self.multiplier)),
       jnp.float32(self.min_loss_scale),
     )
 

@@ -1,4 +1,4 @@
-"""Finiteness checks over pytrees of gradients, and an exact division."""
+"""Finiteness checks over pytrees of gradients."""
 
 from __future__ import annotations
 
@@ -15,20 +15,6 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 AxisName = Hashable | Sequence[Hashable] | None
-
-
-def exact_div(x: Any, divisor: Any) -> jax.Array:
-  """`x / divisor`, correctly rounded with and without `jit`.
-
-  XLA rewrites a division by a compile-time constant into a multiplication by
-  its reciprocal, which differs from IEEE division in the last bit for divisors
-  such as 3 or 10. The barrier hides the constant, so the division stays one.
-  The operands promote as they do for `/` (the barrier keeps a Python number
-  weakly typed).
-  """
-  hidden = lax.optimization_barrier(jnp.asarray(divisor))
-  quotient: jax.Array = jnp.divide(x, hidden)
-  return quotient
 
 
 def is_float0(x: Any) -> bool:

@@ -202,25 +202,10 @@ def _vmap_groups() -> list[list[dict]]:
   return [g for g in groups.values() if len(g) > 1]
 
 
-# Known deviation, left to the owners of `_numerics.exact_div`: on XLA:CPU
-# (jax 0.10.2), an array of two or more elements divided by a scalar that is
-# broadcast to it is rounded as a multiplication by the reciprocal. Under
-# `vmap` the scale is such an array and the multiplier is broadcast after
-# `exact_div`'s optimization barrier, so a batch of loss scales backs off one
-# ulp away from TensorFlow where the quotient is inexact (multipliers 1.5 and
-# 10 here; multiplier 3 happens not to round differently in the traced runs).
-_VMAP_INEXACT = (
-  "under vmap, DynamicLossScale's backoff is x * (1 / multiplier), one ulp"
-  " from TensorFlow's x / multiplier (XLA:CPU, a divisor broadcast from a"
-  " scalar)"
-)
 VMAP_GROUPS = [
   pytest.param(
     group,
     id=_run_id(group[0]),
-    marks=pytest.mark.xfail(strict=True, reason=_VMAP_INEXACT)
-    if _run_id(group[0]) in {"4-3-1.5-26steps", "4.25353e+37-2-10-32steps"}
-    else (),
   )
   for group in _vmap_groups()
 ]
