@@ -21,9 +21,6 @@ from optax_lossscale._report import (
 )
 from optax_lossscale._report import SkipMonitor as SkipMonitor
 from optax_lossscale._report import SkipReport as SkipReport
-from optax_lossscale._report import format_skip as format_skip
-from optax_lossscale._report import log_skip as log_skip
-from optax_lossscale._report import skip_report as skip_report
 from optax_lossscale._report import skip_reports as skip_reports
 from optax_lossscale._serialization import deserialize as deserialize
 from optax_lossscale._serialization import get as get
@@ -66,15 +63,12 @@ __all__ = [
   "apply_gradients",
   "check_state",
   "deserialize",
-  "format_skip",
   "get",
   "get_loss_scale",
-  "log_skip",
   "loss_scale_optimizer",
   "register_loss_scale",
   "scaled_value_and_grad",
   "serialize",
-  "skip_report",
   "skip_reports",
   "unscale_gradients",
 ]

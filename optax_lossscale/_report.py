@@ -19,9 +19,6 @@ __all__ = [
   "ConsecutiveSkipsError",
   "SkipMonitor",
   "SkipReport",
-  "format_skip",
-  "log_skip",
-  "skip_report",
   "skip_reports",
 ]
 
@@ -29,7 +26,11 @@ _LOGGER = logging.getLogger("optax_lossscale")
 
 
 class SkipReport(NamedTuple):
-  """A skipped step, as `skip_report` and `SkipMonitor` read it on the host.
+  """A skipped step, as `skip_reports` and `SkipMonitor` read it on the host.
+
+  `str(report)` is its one-line description, as `SkipMonitor` logs it; it
+  begins with `member i: ` when the report is of a member of a stacked
+  state.
 
   Attributes:
     loss_scale: the scale of the skipped step.
@@ -49,9 +50,9 @@ class SkipReport(NamedTuple):
   Examples:
     >>> import optax_lossscale as ols
     >>> report = ols.SkipReport(1024.0, 512.0, 3, 1, True, {"['w']": 2})
-    >>> print(ols.format_skip(report))
+    >>> print(report)
     skipped step (1 in a row, 3 in all): loss scale 1024 -> 512; loss finite; non-finite gradients: ['w'] (2)
-    >>> print(ols.format_skip(report._replace(member=2)))
+    >>> print(report._replace(member=2))
     member 2: skipped step (1 in a row, 3 in all): loss scale 1024 -> 512; loss finite; non-finite gradients: ['w'] (2)
   """
 
@@ -63,30 +64,19 @@ class SkipReport(NamedTuple):
   nonfinite: dict[str, int]
   member: int | None = None
 
-
-def format_skip(report: SkipReport) -> str:
-  """Returns a one-line description of a skipped step.
-
-  Args:
-    report: a `SkipReport`.
-
-  Returns:
-    A string, as `log_skip` logs it; it begins with `member i: ` when the
-    report is of a member of a stacked state.
-
-  Examples:
-    >>> import optax_lossscale as ols
-    >>> print(ols.format_skip(ols.SkipReport(8.0, 8.0, 1, 1, False, {}, 0)))
-    member 0: skipped step (1 in a row, 1 in all): loss scale 8 -> 8; loss NON-FINITE; non-finite gradients: none
-  """
-  loss = {None: "no loss given", True: "loss finite", False: "loss NON-FINITE"}
-  member = "" if report.member is None else f"member {report.member}: "
-  return (
-    f"{member}skipped step ({report.consecutive_skipped_steps} in a row,"
-    f" {report.skipped_steps} in all): loss scale {report.loss_scale:g} ->"
-    f" {report.next_loss_scale:g}; {loss[report.loss_finite]};"
-    f" non-finite gradients: {_leaves(report)}"
-  )
+  def __str__(self) -> str:
+    loss = {
+      None: "no loss given",
+      True: "loss finite",
+      False: "loss NON-FINITE",
+    }
+    member = "" if self.member is None else f"member {self.member}: "
+    return (
+      f"{member}skipped step ({self.consecutive_skipped_steps} in a row,"
+      f" {self.skipped_steps} in all): loss scale {self.loss_scale:g} ->"
+      f" {self.next_loss_scale:g}; {loss[self.loss_finite]};"
+      f" non-finite gradients: {_leaves(self)}"
+    )
 
 
 def _leaves(report: SkipReport) -> str:
@@ -95,15 +85,9 @@ def _leaves(report: SkipReport) -> str:
   return listed or "none"
 
 
-def log_skip(report: SkipReport) -> None:
-  """Logs a skipped step as a warning of the `optax_lossscale` logger.
-
-  `SkipMonitor`'s default `log`.
-
-  Args:
-    report: a `SkipReport`.
-  """
-  _LOGGER.warning("%s", format_skip(report))
+def _log_skip(report: SkipReport) -> None:
+  """`SkipMonitor`'s default `log`: a warning of the `optax_lossscale` logger."""
+  _LOGGER.warning("%s", report)
 
 
 class ConsecutiveSkipsError(RuntimeError):
@@ -263,63 +247,18 @@ def _stop_message(members: _Members, m: int, limit: int) -> str:
   )
 
 
-def skip_report(opt_state: Any) -> SkipReport | None:
-  """Returns the last skipped step recorded in an optimizer state, or None.
+def skip_reports(opt_state: Any) -> list[SkipReport]:
+  """Returns the last skipped step of each member of an optimizer state.
 
   Reads, on the host, the `SkipRecord` that `LossScaleOptimizer` keeps in
   its state, wherever the state is nested (`optax.chain`, a linen
   `TrainState`, an `nnx.Optimizer`'s `opt_state`). It waits for the step
-  that produced the state: call it at your logging cadence, not every step.
-  It reads one state; for a state stacked over the members of a `vmap`
-  ensemble or over `pmap` replicas, `skip_reports` returns one report per
-  member (for `pmap` replicas, which agree, read one:
-  `jax.tree.map(lambda x: x[0], opt_state)`).
-
-  Args:
-    opt_state: an optimizer state holding one unbatched
-      `LossScaleOptimizerState`.
-
-  Returns:
-    A `SkipReport` (its `member` None), or None before the first skip (and
-    for a state restored from a checkpoint written before records existed).
-
-  Raises:
-    ValueError: if the state holds no `LossScaleOptimizerState`, or several,
-      or one stacked over members.
-
-  Examples:
-    >>> import jax.numpy as jnp
-    >>> import optax
-    >>> import optax_lossscale as ols
-    >>> tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale())
-    >>> params = {"w": jnp.zeros(2)}
-    >>> state = tx.init(params)
-    >>> print(ols.skip_report(state))
-    None
-    >>> _, state = tx.update({"w": jnp.array([jnp.inf, 1.0])}, state, params)
-    >>> print(ols.format_skip(ols.skip_report(state)))
-    skipped step (1 in a row, 1 in all): loss scale 32768 -> 16384; no loss given; non-finite gradients: ['w'] (1)
-  """
-  members = _read("skip_report", opt_state)
-  if members.shape:
-    raise ValueError(
-      "`skip_report(opt_state)`: the state is stacked over"
-      f" {members.skipped.size} members (`vmap` members or `pmap` replicas,"
-      f" counters of shape {members.shape}); `skip_reports(opt_state)`"
-      " returns one report per member that skipped, or pass one member,"
-      " `jax.tree.map(lambda x: x[i], opt_state)`."
-    )
-  return _recorded(members, 0)
-
-
-def skip_reports(opt_state: Any) -> list[SkipReport]:
-  """Returns the last skipped step of each member of an optimizer state.
-
-  Like `skip_report`, for a state stacked over the members of a `vmap`
-  ensemble (or over `pmap` replicas, which agree: each is a member), over
-  one axis or several: one report per member that has skipped, in member
-  order, each naming its `member`. An unbatched state gives at most one
-  report, its `member` None.
+  that produced the state: call it at your logging cadence, not every step
+  (a `SkipMonitor` does, and remembers what it has logged). An unbatched
+  state gives at most one report, its `member` None. A state stacked over
+  the members of a `vmap` ensemble (or over `pmap` replicas, which agree:
+  each is a member), over one axis or several, gives one report per member
+  that has skipped, in member order, each naming its `member`.
 
   Args:
     opt_state: an optimizer state holding one `LossScaleOptimizerState`,
@@ -339,6 +278,16 @@ def skip_reports(opt_state: Any) -> list[SkipReport]:
     >>> import optax
     >>> import optax_lossscale as ols
     >>> tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale())
+    >>> params = {"w": jnp.zeros(2)}
+    >>> state = tx.init(params)
+    >>> ols.skip_reports(state)
+    []
+    >>> _, state = tx.update({"w": jnp.array([jnp.inf, 1.0])}, state, params)
+    >>> print(*ols.skip_reports(state))
+    skipped step (1 in a row, 1 in all): loss scale 32768 -> 16384; no loss given; non-finite gradients: ['w'] (1)
+
+    A `vmap` ensemble:
+
     >>> params = {"w": jnp.zeros((3, 2))}  # three members
     >>> state = jax.vmap(tx.init)(params)
     >>> ols.skip_reports(state)
@@ -346,7 +295,7 @@ def skip_reports(opt_state: Any) -> list[SkipReport]:
     >>> grads = {"w": jnp.array([[1.0, 1.0], [jnp.nan, 1.0], [1.0, jnp.inf]])}
     >>> _, state = jax.vmap(tx.update)(grads, state, params)
     >>> for report in ols.skip_reports(state):
-    ...   print(ols.format_skip(report))
+    ...   print(report)
     member 1: skipped step (1 in a row, 1 in all): loss scale 32768 -> 16384; no loss given; non-finite gradients: ['w'] (1)
     member 2: skipped step (1 in a row, 1 in all): loss scale 32768 -> 16384; no loss given; non-finite gradients: ['w'] (1)
   """
@@ -382,7 +331,8 @@ class SkipMonitor:
       `consecutive_skipped_steps` has reached this (in any member); None
       never raises.
     log: called with the last `SkipReport` of each member that skipped
-      since the previous call (once per report); None logs nothing.
+      since the previous call (once per report); by default, a warning of
+      the `optax_lossscale` logger with `str(report)`; None logs nothing.
 
   Raises:
     TypeError: if `log` is not callable or None, or `max_consecutive_skips`
@@ -411,7 +361,7 @@ class SkipMonitor:
     An ensemble, logged member by member:
 
     >>> import jax
-    >>> monitor = ols.SkipMonitor(log=lambda r: print(ols.format_skip(r)))
+    >>> monitor = ols.SkipMonitor(log=print)
     >>> params = {"w": jnp.zeros((2, 2))}  # two members
     >>> state = jax.vmap(tx.init)(params)
     >>> grads = {"w": jnp.array([[jnp.nan, 1.0], [jnp.inf, 1.0]])}
@@ -426,7 +376,7 @@ class SkipMonitor:
     self,
     *,
     max_consecutive_skips: int | None = None,
-    log: Callable[[SkipReport], Any] | None = log_skip,
+    log: Callable[[SkipReport], Any] | None = _log_skip,
   ) -> None:
     call = "SkipMonitor"
     if max_consecutive_skips is not None:

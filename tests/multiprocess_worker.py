@@ -33,6 +33,13 @@ replicated = NamedSharding(mesh, P())
 tx = ols.loss_scale_optimizer(optax.sgd(0.1), ols.DynamicLossScale(2.0**10, 2))
 
 
+def _last_skip(state):
+  """The last skip an unbatched state records, or None."""
+  reports = ols.skip_reports(state)
+  assert len(reports) <= 1 and all(r.member is None for r in reports)
+  return reports[0] if reports else None
+
+
 @jax.jit
 def step(params, state, grads):
   # Per-example gradients, sharded over the data axis, averaged globally.
@@ -100,7 +107,7 @@ with jax.set_mesh(mesh):
       report = monitor(state)
     except ols.ConsecutiveSkipsError as error:
       results["raised"] = "2 consecutive steps skipped" in str(error)
-      report = ols.skip_report(state)
+      report = _last_skip(state)
       break
   assert jax.typeof(params["w"]).sharding.spec == P("data", None)
   results["scale"] = float(ols.get_loss_scale(state)().addressable_data(0))

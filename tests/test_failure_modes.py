@@ -18,6 +18,13 @@ pytestmark = pytest.mark.usefixtures("standard_promotion")
 # --- hysteresis: against an independent reference -----------------------------
 
 
+def _last_skip(state):
+  """The last skip an unbatched state records, or None."""
+  reports = ols.skip_reports(state)
+  assert len(reports) <= 1 and all(r.member is None for r in reports)
+  return reports[0] if reports else None
+
+
 def _reference(config, finite_steps):
   """Megatron-LM's DynamicGradScaler with DeepSpeed's consecutive option, in
   plain NumPy float32, as the issue states the semantics."""
@@ -103,12 +110,12 @@ def test_default_dynamic_loss_scale_keeps_its_leaves_and_config_keys():
     jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(ls)
   ]
   assert paths == [".current_loss_scale", ".num_good_steps"]
+  # TensorFlow's keys: the bounds and the hysteresis are written only when
+  # they are not the defaults.
   assert list(ls.get_config()) == [
     "initial_loss_scale",
     "increment_period",
     "multiplier",
-    "min_loss_scale",
-    "max_loss_scale",
   ]
 
 
@@ -223,7 +230,7 @@ def _reports(tx, step, batches, params):
   state, reports = tx.init(params), []
   for grads, extra in batches:
     params, state = step(grads, state, params, **extra)
-    reports.append(ols.skip_report(state))
+    reports.append(_last_skip(state))
   return reports, state
 
 
@@ -287,7 +294,7 @@ def test_skip_report_counts_every_leaf_of_a_large_mixed_tree():
   _, state = jax.jit(tx.update)(
     jax.tree.map(jnp.asarray, grads), tx.init(params), params
   )
-  assert ols.skip_report(state).nonfinite == expected
+  assert _last_skip(state).nonfinite == expected
 
 
 def test_skip_report_counts_unscaled_values_of_every_dtype_and_size():
@@ -305,7 +312,7 @@ def test_skip_report_counts_unscaled_values_of_every_dtype_and_size():
   }
   params = jax.tree.map(lambda g: jnp.zeros(g.shape, g.dtype), grads)
   _, state = jax.jit(tx.update)(grads, tx.init(params), params)
-  assert ols.skip_report(state).nonfinite == {
+  assert _last_skip(state).nonfinite == {
     "['brain']": 1,
     "['complex']": 1,
     "['half']": 1,
@@ -322,7 +329,7 @@ def test_skip_record_counts_nothing_for_float0_gradients():
   state = tx.init(params)
   grads = jax.grad(loss, allow_int=True)(params)
   _, state = jax.jit(tx.update)(grads, state, params)
-  assert ols.skip_report(state).nonfinite == {"['w']": 2}  # nan and inf
+  assert _last_skip(state).nonfinite == {"['w']": 2}  # nan and inf
 
 
 def _temp_bytes_with_and_without_record(params):
@@ -474,11 +481,11 @@ def test_unbatched_reports_name_no_member():
   _, state = jax.jit(tx.apply_gradients)(
     {"w": jnp.array([jnp.nan, 1.0])}, state, params
   )
-  report = ols.skip_report(state)
+  report = _last_skip(state)
   assert report == ols.SkipReport(4.0, 2.0, 1, 1, None, {"['w']": 1}, None)
   assert ols.skip_reports(state) == [report]
   assert ols.SkipMonitor(log=None)(state) == report
-  assert "member" not in ols.format_skip(report)
+  assert "member" not in str(report)
 
 
 def test_skip_monitor_says_when_the_loss_itself_was_not_finite():
@@ -495,11 +502,11 @@ def test_skip_record_names_a_bare_array_and_a_state_without_params():
   tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale())
   params = jnp.zeros(3)
   _, state = tx.update(jnp.array([1.0, jnp.nan, 1.0]), tx.init(params), params)
-  assert ols.skip_report(state).nonfinite == {"<root>": 1}
+  assert _last_skip(state).nonfinite == {"<root>": 1}
   assert ols.SkipMonitor(log=None)(state).nonfinite == {"<root>": 1}
   tx = ols.LossScaleOptimizer(optax.identity(), ols.DynamicLossScale())
   _, state = tx.update({"w": jnp.array([jnp.nan])}, tx.init(None))
-  assert ols.skip_report(state).nonfinite == {}  # no leaf to name
+  assert _last_skip(state).nonfinite == {}  # no leaf to name
 
 
 def test_all_float0_gradients_step():
@@ -547,7 +554,7 @@ def test_skip_monitor_reads_counters_that_a_fresh_record_does_not_match():
   state = tx.init(params)._replace(
     skipped_steps=jnp.int32(5), consecutive_skipped_steps=jnp.int32(3)
   )
-  assert ols.skip_report(state) is None
+  assert _last_skip(state) is None
   reports = []
   with pytest.raises(ols.ConsecutiveSkipsError, match="no record"):
     ols.SkipMonitor(max_consecutive_skips=3, log=reports.append)(state)
@@ -566,7 +573,7 @@ def test_skip_records_of_large_leaves_need_no_buffer_of_their_size():
   grads = {k: v.at[12_345 * int(k[1])].set(jnp.nan) for k, v in params.items()}
   grads["p3"] = grads["p3"].at[-1].set(jnp.inf)  # in the tail
   _, state = jax.jit(tx.apply_gradients)(grads, state, params)
-  assert ols.skip_report(state).nonfinite == {
+  assert _last_skip(state).nonfinite == {
     "['p0']": 1,
     "['p1']": 1,
     "['p2']": 1,

@@ -17,16 +17,6 @@ def test_minimize_refuses_a_fun_that_is_not_callable():
     tx.minimize(3, params, tx.init(params))  # type: ignore[arg-type]
 
 
-def test_skip_report_needs_exactly_one_optimizer_state():
-  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale())
-  state = tx.init({"w": jnp.ones(2)})
-  assert ols.skip_report(state) is None
-  with pytest.raises(ValueError, match=r"`skip_report\(opt_state\)`.*found 0"):
-    ols.skip_report(optax.sgd(0.1).init({"w": jnp.ones(2)}))
-  with pytest.raises(ValueError, match=r"`skip_report\(opt_state\)`.*found 2"):
-    ols.skip_report([state, state])
-
-
 def test_skip_reports_needs_exactly_one_optimizer_state():
   tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale())
   state = tx.init({"w": jnp.ones(2)})
