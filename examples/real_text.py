@@ -33,6 +33,7 @@ import pathlib
 import platform
 import sysconfig
 import tempfile
+import textwrap
 import time
 from collections.abc import Callable
 from typing import Any
@@ -675,7 +676,7 @@ def report(
     f" {cfg.width}, {cfg.heads} heads, {n_params:,} parameters;"
     f" {cfg.steps} steps of Adam (learning rate {cfg.learning_rate:g} after"
     f" a linear warmup over {max(cfg.steps // 10, 1)} steps, then a cosine"
-    " decay to a tenth of it) on batches of {cfg.batch_size} windows of"
+    f" decay to a tenth of it) on batches of {cfg.batch_size} windows of"
     f" {cfg.seq_len} bytes, the same batches for every run. Held-out loss:"
     f" nats per byte, the float32 master weights evaluated in float32 on"
     f" {cfg.eval_batches * cfg.batch_size} held-out windows. Times are the"
@@ -690,6 +691,7 @@ def report(
     f" {ours['vs_f32']:.4f}× float32's held-out loss"
     f" ({(ours['vs_f32'] - 1) * 100:+.2f}%;"
     f" {_verdict(abs(ours['vs_f32'] - 1) <= 0.01)} within 1%).",
+    *_bfloat16_text(rows),
     f"**Cost.** Its step costs {ours['step']:.3f}× run 3's, both donated"
     f" ({_verdict(ours['step'] <= 1.05)} at most 1.05×), and compiles in"
     f" {ours['compile']:.3f}× run 3's time"
@@ -703,6 +705,17 @@ def report(
   lines += ["", _failure_text(fail_cfg, corpus, summary.get("failure"))]
   lines += ["", _mistake_text(cfg, caught)]
   return "\n".join(lines)
+
+
+def _bfloat16_text(rows: list[dict[str, Any]]) -> list[str]:
+  bf16 = [r for r in rows if r["index"] == 1]
+  if not bf16:
+    return []
+  return [
+    f"bfloat16 compute (float32's range, so no scaling; fewer mantissa bits"
+    f" than float16) ends at {bf16[0]['vs_f32']:.4f}× float32's held-out"
+    " loss."
+  ]
 
 
 def _verdict(met: bool) -> str:
@@ -742,10 +755,9 @@ def _mistake_text(cfg: Config, caught: dict[str, Any]) -> str:
     f" step: every step overflows, and the run stops at step"
     f" {caught['stopped_at']} (the scale lowered to"
     f" {scales[caught['stopped_at'] - 1]:g}) with `ConsecutiveSkipsError`:"
-    "\n\n"
-    f"> {message}\n\n"
-    f"Left running without the monitor, all {cfg.mistake_steps} steps are"
-    f" skipped ({caught['skipped']} skipped) and the scale reaches"
+    f"\n\n```text\n{textwrap.fill(message, 78)}\n```\n\n"
+    f"Left running without the monitor, {caught['skipped']} of its"
+    f" {cfg.mistake_steps} steps are skipped and the scale reaches"
     + (
       f" its floor, 1, at step {floor_step}."
       if floor_step

@@ -62,8 +62,6 @@ def test_float16_with_scaling_matches_float32_and_the_mistake_is_stopped(
   ours = rows[real_text.OURS]
   # Quality: float16 with LossScaleOptimizer within 1% of float32.
   assert abs(ours["vs_f32"] - 1) <= 0.01, ours["vs_f32"]
-  assert ours["skipped"] == 0 and ours["retries"] == 0
-  assert np.all(ours["scales"] == 2.0**15)
   # Resume: stopped mid-run, restored with Orbax, continued bit for bit.
   assert result["summary"]["resume"] is True
   # The float16-LayerNorm mistake: every step overflows, and SkipMonitor
