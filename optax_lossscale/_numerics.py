@@ -69,23 +69,20 @@ _ROW = 16
 
 
 def _finite(x: jax.Array) -> jax.Array:
-  """True iff every element of `x` is finite: one read, one reduction.
+  """True iff every element of a large whole leaf `x` is finite.
 
-  A leaf split across devices is checked where it lives by the one-liner
-  `all(isfinite(x))`: only the scalar crosses devices. A whole one is checked
-  as a vector (a free reshape: the reduction then never runs along a short
-  trailing axis, which XLA's CPU backend reduces slowly) by summing `x - x`:
-  exactly 0 per finite element and NaN otherwise (inf - inf, NaN - NaN), and
-  IEEE addition propagates NaN, so the sum is exact in any order. XLA fuses
-  `x - x` into the sum; on its CPU backend the flags of `isfinite` are
-  written out first, and a `max`-based check is not safe there (large `max`
-  reductions go to a library that drops NaN). float16 and bfloat16 are summed
-  in rows of `_ROW` in their own dtype first (exact: every term is 0 or NaN):
-  XLA's CPU backend writes out a half-precision array converted to float32
-  in full before reducing it, and the rows leave 1/16 of it.
+  `x` is read as a vector (a free reshape: the reduction then never runs
+  along a short trailing axis, which XLA's CPU backend reduces slowly) and
+  `x - x` is summed: exactly 0 per finite element and NaN otherwise (inf -
+  inf, NaN - NaN), and IEEE addition propagates NaN, so the sum is exact in
+  any order. XLA fuses `x - x` into the sum, where its CPU backend writes
+  out the flags of `isfinite` first (a `max`-based check is not safe there:
+  large `max` reductions go to a library that drops NaN). float16 and
+  bfloat16 are summed in rows of `_ROW` in their own dtype first (exact:
+  every term is 0 or NaN), since XLA's CPU backend writes out a
+  half-precision array converted to float32 before reducing it; the rows
+  leave 1/16 of it.
   """
-  if not _is_whole(x):
-    return jnp.all(jnp.isfinite(x))
   zero = (x - x).ravel()
   if zero.dtype not in (jnp.float16, jnp.bfloat16):
     return jnp.isfinite(jnp.sum(zero))
@@ -144,20 +141,19 @@ def _read_together(members: list[jax.Array]) -> jax.Array:
   return jnp.concatenate([x.ravel() for x in members])
 
 
-def _group(leaves: list[jax.Array]) -> list[jax.Array]:
-  """Large leaves as they are; small ones concatenated per dtype."""
-  return [
-    _read_together([leaves[i] for i in group]) for group in _partition(leaves)
-  ]
-
-
 def verdict(leaves: list[jax.Array], axis_name: AxisName) -> jax.Array:
   """True iff every element of every leaf is finite; one read of each leaf."""
   return agree(_sharded_verdict(leaves), axis_name)
 
 
 def _local_verdict(*leaves: jax.Array) -> jax.Array:
-  checks = [_finite(x) for x in _group(list(leaves))]
+  checks = []
+  for group in _partition(list(leaves)):
+    members = [leaves[i] for i in group]
+    if _in_place(members) and _is_whole(members[0]):
+      checks.append(_finite(members[0]))
+    else:  # small leaves concatenated, or a leaf split across devices
+      checks.append(jnp.all(jnp.isfinite(_read_together(members))))
   return jnp.all(jnp.stack(checks)) if checks else jnp.array(True)
 
 
