@@ -64,7 +64,7 @@ def _is_whole(x: jax.Array) -> bool:
   )
 
 
-# float16 and bfloat16 are summed in rows of this many elements first.
+# float16 is summed in rows of this many elements first.
 _ROW = 16
 
 
@@ -73,20 +73,21 @@ def _finite(x: jax.Array) -> jax.Array:
 
   `x` is read as a vector (a free reshape, kept by a barrier from being
   folded back: XLA's CPU backend reduces an array with a trailing axis of 1
-  several times slower than the same elements as a vector) and
-  `x - x` is summed: exactly 0 per finite element and NaN otherwise (inf -
-  inf, NaN - NaN), and IEEE addition propagates NaN, so the sum is exact in
-  any order. XLA fuses `x - x` into the sum, where its CPU backend writes
-  out the flags of `isfinite` first (a `max`-based check is not safe there:
-  large `max` reductions go to a library that drops NaN). float16 and
-  bfloat16 are summed in rows of `_ROW` in their own dtype first (exact:
-  every term is 0 or NaN), since XLA's CPU backend writes out a
-  half-precision array converted to float32 before reducing it; the rows
-  leave 1/16 of it.
+  several times slower than the same elements as a vector) and `x - x` is
+  summed: exactly 0 per finite element and NaN otherwise (inf - inf,
+  NaN - NaN), and IEEE addition propagates NaN, so the sum is exact in any
+  order. XLA fuses `x - x` into the sum, where its CPU backend writes out
+  the flags of `isfinite` first (a `max`-based check is not safe there:
+  large `max` reductions go to a library that drops NaN). bfloat16 widens to
+  float32 exactly, in the same fusion; float16's widening is written out in
+  full on XLA's CPU backend, so float16 is summed in rows of `_ROW` in its
+  own dtype first (exact: every term is 0 or NaN), which leaves 1/16 of it.
   """
   flat = lax.optimization_barrier(x.ravel())
+  if flat.dtype == jnp.bfloat16:
+    flat = flat.astype(jnp.float32)
   zero = flat - flat
-  if zero.dtype not in (jnp.float16, jnp.bfloat16):
+  if zero.dtype != jnp.float16:
     return jnp.isfinite(jnp.sum(zero))
   body = zero.size // _ROW * _ROW
   rows = lax.reduce(
