@@ -1,7 +1,7 @@
 """The finiteness check against the one-liner, over dtypes, shapes and trees.
 
-Usage: python benchmarks/finite_sweep.py [--quick] [--out DIR]
-       python benchmarks/finite_sweep.py --compile [--compiles N]
+Usage: PYTHONPATH=. python benchmarks/finite_sweep.py [--quick] [--out DIR]
+       PYTHONPATH=. python benchmarks/finite_sweep.py --compile [--compiles N]
 
 The reference is what `optax.apply_if_finite` computes:
 `jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))`. Each case is
