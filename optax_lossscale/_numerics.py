@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -31,113 +30,69 @@ def array_leaves(tree: Any) -> list[jax.Array]:
   return [x for x in jax.tree.leaves(tree) if not is_float0(x)]
 
 
-def _split_ways(x: jax.Array) -> tuple[int, int, bool]:
-  """How `x` may be split across devices, read from its type.
+def _is_whole(x: jax.Array) -> bool:
+  """Whether `x` is whole on each device and unsharded in its type.
 
-  Returns into how many pieces `x` and its last axis may be split, and
-  whether its type names a mesh axis. Explicit mesh axes name the dimensions
-  they split; an Auto axis may split any dimension, so its size counts
-  everywhere; Manual axes (inside `shard_map`) hold whole local blocks.
-  Outside any mesh, every array is whole where it is.
+  Such leaves can be reshaped and concatenated freely: nothing moves. Inside
+  `shard_map` (Manual axes) every block is whole.
   """
   sharding = jax.typeof(x).sharding
   mesh = getattr(sharding, "mesh", None)
   if mesh is None or mesh.empty:
-    return 1, 1, False
+    return True
   types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
-  sizes = dict(mesh.shape)
-  auto = math.prod(sizes[n] for n, t in types.items() if t == AxisType.Auto)
-  spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
-  named = [
-    [n for n in (e if isinstance(e, tuple) else (e,)) if n is not None]
-    for e in spec
-  ]
-
-  def explicit(names: list[Any]) -> int:
-    return math.prod(sizes[n] for n in names if types[n] == AxisType.Explicit)
-
-  whole = auto * math.prod(explicit(names) for names in named)
-  last = auto * explicit(named[-1]) if x.ndim else 1
-  typed = any(types[n] == AxisType.Explicit for names in named for n in names)
-  return whole, last, typed
+  if any(t == AxisType.Auto and mesh.shape[n] > 1 for n, t in types.items()):
+    return False
+  return not any(
+    n is not None and types[n] == AxisType.Explicit
+    for entry in sharding.spec
+    for n in (entry if isinstance(entry, tuple) else (entry,))
+  )
 
 
-def _is_whole(x: jax.Array) -> bool:
-  """Whether `x` is whole on each device and unsharded in its type.
-
-  Such leaves can be reshaped and concatenated freely: nothing moves.
-  """
-  whole, _, typed = _split_ways(x)
-  return whole == 1 and not typed
-
-
-def _nonfinite_probe(x: jax.Array) -> jax.Array:
-  """A scalar that is NaN iff some element of `x` is NaN or infinite.
-
-  Each element contributes `x - x`: exactly 0 when finite, NaN otherwise
-  (inf - inf and NaN - NaN), and IEEE addition propagates NaN, so the sum is
-  exact whatever the order. A sharded `x` is reduced where it lives: only
-  the scalar crosses devices. XLA keeps `x - x` as it is for floating point (its
-  algebraic simplifier folds `A - A => 0` for integers only) and, on its CPU
-  backend, fuses it into the reduction without a temporary buffer
-  (`x * 0` is as exact, but is written out first). A `max`-based check is not
-  safe: XLA's CPU backend hands large `max` reductions to a library that drops
-  NaN.
-  """
-  zero = x - x
-  if zero.dtype in (jnp.float16, jnp.bfloat16):
-    return _half_sum(zero)
-  # float32 and wider, in their own dtype.
-  probe: jax.Array = jnp.sum(zero)
-  return probe
-
-
-# float16 and bfloat16 are summed in rows of this many elements first.
+# float16 is summed in rows of this many elements first.
 _ROW = 16
 
 
-def _half_sum(zero: jax.Array) -> jax.Array:
-  """The float32 sum of a float16 or bfloat16 array of zeros and NaNs.
+def _finite(x: jax.Array) -> jax.Array:
+  """True iff every element of a large whole leaf `x` is finite.
 
-  On XLA's CPU backend a half-precision reduction (or a conversion to float32
-  feeding one) is written out in full before it is reduced; for bfloat16 the
-  conversion is also shared with the unscaling, which is then written out too.
-  Summing rows of 16 in the leaf's dtype first (exact here: every term is 0 or
-  NaN) fuses with `x - x` and leaves a buffer of 1/16 of the size. Only the
-  last axis is split, and only when each of its pieces on a device splits into
-  whole rows, so a sharded leaf keeps its sharding and nothing moves.
+  `x` is read as a vector (a free reshape, kept by a barrier from being
+  folded back: XLA's CPU backend reduces an array with a trailing axis of 1
+  several times slower than the same elements as a vector) and `x - x` is
+  summed: exactly 0 per finite element and NaN otherwise (inf - inf,
+  NaN - NaN), and IEEE addition propagates NaN, so the sum is exact in any
+  order. XLA fuses `x - x` into the sum, where its CPU backend writes out
+  the flags of `isfinite` first (a `max`-based check is not safe there:
+  large `max` reductions go to a library that drops NaN). bfloat16 widens to
+  float32 exactly, in the same fusion; float16's widening is written out in
+  full on XLA's CPU backend, so float16 is summed in rows of `_ROW` in its
+  own dtype first (exact: every term is 0 or NaN), which leaves 1/16 of it.
   """
-  _, last, _ = _split_ways(zero)
-  if zero.ndim and zero.shape[-1] % (_ROW * last) == 0:
-    return _sum_rows(zero.reshape(*zero.shape[:-1], -1, _ROW))
-  if zero.ndim == 1 and _is_whole(zero):
-    # A vector (or the concatenated small leaves): whole rows, then the tail.
-    body = zero.size // _ROW * _ROW
-    total = jnp.sum(zero[body:].astype(jnp.float32))
-    if body:
-      total += _sum_rows(zero[:body].reshape(-1, _ROW))
-    return total
-  total_: jax.Array = jnp.sum(zero.astype(jnp.float32))
-  return total_
-
-
-def _sum_rows(rows: jax.Array) -> jax.Array:
-  """The float32 sum of `rows`, summed along the last axis in their dtype."""
-  sums = lax.reduce(rows, np.zeros((), rows.dtype), lax.add, (rows.ndim - 1,))
-  total: jax.Array = jnp.sum(sums.astype(jnp.float32))
-  return total
+  flat = lax.optimization_barrier(x.ravel())
+  if flat.dtype == jnp.bfloat16:
+    flat = flat.astype(jnp.float32)
+  zero = flat - flat
+  if zero.dtype != jnp.float16:
+    return jnp.isfinite(jnp.sum(zero))
+  body = zero.size // _ROW * _ROW
+  rows = lax.reduce(
+    zero[:body].reshape(-1, _ROW), np.zeros((), zero.dtype), lax.add, (1,)
+  )
+  tail = zero[body:].astype(jnp.float32)
+  return jnp.isfinite(jnp.sum(rows.astype(jnp.float32)) + jnp.sum(tail))
 
 
 # Leaves up to this size are concatenated (per dtype, up to _CONCAT of them at
-# a time) and each concatenation is checked by one reduction: on XLA's CPU
-# backend every reduction is a separately compiled and launched kernel, so
-# hundreds of small leaves would multiply the compile time, and a kernel per
-# leaf of a few thousand elements costs more per step than copying it. Larger
-# leaves are checked in place: copying them costs more than a kernel of their
-# own (512 leaves of 32,768 elements: 1.9x the plain Adam step when copied,
-# 1.1x in place). A leaf that may be split across devices is read in place
-# too, whatever its size: a concatenation would gather it (Auto axes) or be
-# refused (Explicit axes). One concatenation of thousands of operands also compiles
+# a time) and each concatenation is checked by one reduction: a kernel per
+# small leaf costs more to launch than to copy the leaf, on every backend,
+# and on XLA's CPU backend each kernel is also compiled on its own
+# (`benchmarks/finite_sweep.py`, 400 x (1000,) on a 2-core CPU: 0.4x to 0.9x
+# the one-liner read together, 1.3x to 1.8x a kernel each). Larger leaves
+# are checked in place (512 leaves of 32,768 elements: 1.9x the plain Adam
+# step when copied, 1.1x in place), and so is a leaf that may be split
+# across devices: a concatenation would gather it (Auto axes) or be refused
+# (Explicit axes). One concatenation of thousands of operands compiles
 # slowly: 2000 leaves in groups of 64 compile in about a third of the time.
 _SMALL_LEAF = 2**14
 _CONCAT = 64
@@ -175,35 +130,20 @@ def _read_together(members: list[jax.Array]) -> jax.Array:
   return jnp.concatenate([x.ravel() for x in members])
 
 
-def _group(leaves: list[jax.Array]) -> list[jax.Array]:
-  """Large leaves as they are; small ones concatenated per dtype."""
-  return [
-    _read_together([leaves[i] for i in group]) for group in _partition(leaves)
-  ]
-
-
-def _total(probes: list[jax.Array]) -> jax.Array:
-  """The float32 sum of scalar probes: one small kernel for all leaves."""
-  real = [
-    (jnp.real(p) + jnp.imag(p)) if jnp.iscomplexobj(p) else p for p in probes
-  ]
-  total: jax.Array = jnp.sum(
-    jnp.stack(
-      [p.astype(jnp.float32) for p in real] or [jnp.zeros((), jnp.float32)]
-    )
-  )
-  return total
-
-
 def verdict(leaves: list[jax.Array], axis_name: AxisName) -> jax.Array:
   """True iff every element of every leaf is finite; one read of each leaf."""
   return agree(_sharded_verdict(leaves), axis_name)
 
 
 def _local_verdict(*leaves: jax.Array) -> jax.Array:
-  return jnp.isfinite(
-    _total([_nonfinite_probe(x) for x in _group(list(leaves))])
-  )
+  checks = []
+  for group in _partition(list(leaves)):
+    members = [leaves[i] for i in group]
+    if _in_place(members) and _is_whole(members[0]):
+      checks.append(_finite(members[0]))
+    else:  # small leaves concatenated, or a leaf split across devices
+      checks.append(jnp.all(jnp.isfinite(_read_together(members))))
+  return jnp.all(jnp.stack(checks)) if checks else jnp.array(True)
 
 
 def _explicit_axes(leaves: list[jax.Array]) -> tuple[Any, frozenset[Any]]:
@@ -276,10 +216,7 @@ def nonfinite_counts(
   for group in _partition(leaves):
     members = [leaves[i] for i in group]
     if not _in_place(members):
-      pieces += [
-        ([group[j] for j in js], counts)
-        for js, counts in _counts_together(members, unscale)
-      ]
+      pieces.append((group, _counts_together(members, unscale)))
     elif _is_whole(members[0]):
       # Counted below, with the whole leaves of the same size.
       whole.setdefault((members[0].dtype, members[0].size), []).extend(group)
@@ -346,37 +283,17 @@ def _count_in_chunks(
 
 def _counts_together(
   members: list[jax.Array], unscale: Callable[[jax.Array], jax.Array]
-) -> list[tuple[list[int], jax.Array]]:
-  """The non-finite counts of small leaves of one dtype, in a few kernels.
+) -> jax.Array:
+  """The non-finite counts of small whole leaves of one dtype, one reduction.
 
-  Leaves of one size are stacked and counted by one reduction per size;
-  the rest are concatenated and counted by one segment sum, whose segment
-  ids (int8: at most _CONCAT leaves) come from an iota. Each is exact, and
-  needs buffers of about the size of the leaves. Returns (indices into
-  `members`, their counts) pairs.
+  The leaves are padded with zeros (finite) to the longest and stacked: one
+  kernel counts them all, with a buffer of at most _CONCAT x _SMALL_LEAF
+  elements.
   """
-  by_size: dict[int, list[int]] = {}
-  for j, x in enumerate(members):
-    by_size.setdefault(x.size, []).append(j)
-  pieces = []
-  alone = [js[0] for js in by_size.values() if len(js) == 1]
-  for js in by_size.values():
-    if len(js) > 1:
-      rows = unscale(jnp.stack([members[j].ravel() for j in js]))
-      flags = ~jnp.isfinite(rows)
-      pieces.append((js, jnp.sum(flags, axis=1, dtype=jnp.int32)))
-  if alone:
-    flat = unscale(jnp.concatenate([members[j].ravel() for j in alone]))
-    ones = (~jnp.isfinite(flat)).astype(jnp.int32)
-    index = lax.iota(jnp.int32, flat.size)
-    ids = jnp.zeros(flat.size, jnp.int8)
-    for end in np.cumsum([members[j].size for j in alone])[:-1]:
-      ids += (index >= int(end)).astype(jnp.int8)
-    sums = jax.ops.segment_sum(
-      ones, ids, num_segments=len(alone), indices_are_sorted=True
-    )
-    pieces.append((alone, sums))
-  return pieces
+  longest = max(x.size for x in members)
+  rows = jnp.stack([jnp.pad(x.ravel(), (0, longest - x.size)) for x in members])
+  counts: jax.Array = jnp.sum(~jnp.isfinite(unscale(rows)), 1, jnp.int32)
+  return counts
 
 
 def all_finite(tree: Any, *, axis_name: AxisName = None) -> jax.Array:

@@ -1,0 +1,240 @@
+"""The finiteness check against the one-liner, over dtypes, shapes and trees.
+
+Usage: PYTHONPATH=. python benchmarks/finite_sweep.py [--quick] [--out DIR]
+       PYTHONPATH=. python benchmarks/finite_sweep.py --compile [--compiles N]
+
+The reference is what `optax.apply_if_finite` computes:
+`jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))`. Each case is
+jitted three ways (the one-liner, `ols.all_finite`, and the verdict the
+optimizer uses, `DynamicLossScale().grads_finite`), timed in turns in one
+process: the best of `REPEATS` calls per round, the minimum over `ROUNDS`
+rounds. Prints ratios to the one-liner and writes benchmarks/FINITE_SWEEP.md.
+
+`--compile`: the fused step's first compile (`LossScaleOptimizer.
+apply_gradients` with a skip record, without one, and plain Adam) at 400 and
+2000 leaves of 1000, the median of `--compiles` fresh compiles (a learning
+rate apart, so that none is served from JAX's cache), in turns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import optax_lossscale as ols
+
+REPEATS = 7
+ROUNDS = 2
+DTYPES = {
+  "float32": jnp.float32,
+  "bfloat16": jnp.bfloat16,
+  "float16": jnp.float16,
+}
+SHAPES = [
+  (8, (2_000_000,)),
+  (4, (1000, 1000)),
+  (4, (1000, 1000, 1)),
+  (10, (1000, 1000)),
+  (20, (512, 2048)),
+  (400, (1000,)),
+  (64, (3, 3, 64, 64)),
+]
+
+
+def gpt2_small() -> dict[str, tuple[int, ...]]:
+  """GPT-2 small's parameter shapes (148 leaves, 124M parameters)."""
+  d, vocab, ctx = 768, 50257, 1024
+  shapes = {"wte": (vocab, d), "wpe": (ctx, d)}
+  for i in range(12):
+    for name, shape in {
+      "ln_1.scale": (d,),
+      "ln_1.bias": (d,),
+      "attn.c_attn.w": (d, 3 * d),
+      "attn.c_attn.b": (3 * d,),
+      "attn.c_proj.w": (d, d),
+      "attn.c_proj.b": (d,),
+      "ln_2.scale": (d,),
+      "ln_2.bias": (d,),
+      "mlp.c_fc.w": (d, 4 * d),
+      "mlp.c_fc.b": (4 * d,),
+      "mlp.c_proj.w": (4 * d, d),
+      "mlp.c_proj.b": (d,),
+    }.items():
+      shapes[f"h{i}.{name}"] = shape
+  shapes["ln_f.scale"], shapes["ln_f.bias"] = (d,), (d,)
+  return shapes
+
+
+def resnet50() -> dict[str, tuple[int, ...]]:
+  """ResNet-50's parameter shapes: HWIO kernels, BatchNorm scales and biases."""
+  shapes: dict[str, tuple[int, ...]] = {}
+
+  def conv_bn(name: str, k: int, cin: int, cout: int) -> None:
+    shapes[f"{name}.kernel"] = (k, k, cin, cout)
+    shapes[f"{name}.bn.scale"], shapes[f"{name}.bn.bias"] = (cout,), (cout,)
+
+  conv_bn("stem", 7, 3, 64)
+  cin = 64
+  for stage, (blocks, width) in enumerate(
+    zip([3, 4, 6, 3], [64, 128, 256, 512], strict=True)
+  ):
+    for b in range(blocks):
+      name = f"s{stage}.b{b}"
+      conv_bn(f"{name}.conv1", 1, cin, width)
+      conv_bn(f"{name}.conv2", 3, width, width)
+      conv_bn(f"{name}.conv3", 1, width, 4 * width)
+      if b == 0:
+        conv_bn(f"{name}.proj", 1, cin, 4 * width)
+      cin = 4 * width
+  shapes["fc.kernel"], shapes["fc.bias"] = (2048, 1000), (1000,)
+  return shapes
+
+
+def cases(quick: bool) -> list[tuple[str, str, dict[str, tuple[int, ...]]]]:
+  out = []
+  for dtype in DTYPES:
+    for n, shape in SHAPES[:2] if quick else SHAPES:
+      out.append(
+        (f"{n} x {shape}", dtype, {f"p{i:03d}": shape for i in range(n)})
+      )
+  for name, tree in [("GPT-2 small", gpt2_small()), ("ResNet-50", resnet50())]:
+    for dtype in ["float32"] if quick else ["float32", "float16"]:
+      out.append((f"{name} ({len(tree)} leaves)", dtype, tree))
+  return out
+
+
+def one_liner(tree: Any) -> jax.Array:
+  leaves = jax.tree.leaves(tree)
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
+def grads_finite(tree: Any) -> jax.Array:
+  return ols.DynamicLossScale(2.0**10).grads_finite(tree)
+
+
+CHECKS: dict[str, Callable[[Any], jax.Array]] = {
+  "one-liner": one_liner,
+  "all_finite": ols.all_finite,
+  "grads_finite": grads_finite,
+}
+
+
+def _best(fn: Callable[..., Any], tree: Any) -> float:
+  best = float("inf")
+  for _ in range(REPEATS):
+    t0 = time.perf_counter()
+    fn(tree).block_until_ready()
+    best = min(best, time.perf_counter() - t0)
+  return best
+
+
+def sweep(quick: bool) -> list[str]:
+  rows = []
+  for label, dtype, shapes in cases(quick):
+    key = jax.random.PRNGKey(0)
+    tree = {
+      k: jax.random.normal(jax.random.fold_in(key, i), s, DTYPES[dtype])
+      for i, (k, s) in enumerate(shapes.items())
+    }
+    compiled = {
+      name: jax.jit(fn).lower(tree).compile() for name, fn in CHECKS.items()
+    }
+    for fn in compiled.values():
+      assert bool(fn(tree))
+    best = {name: float("inf") for name in CHECKS}
+    for _ in range(ROUNDS):
+      for name, fn in compiled.items():
+        best[name] = min(best[name], _best(fn, tree))
+    ref = best["one-liner"]
+    row = (
+      f"| {label} | {dtype} | {ref * 1e3:.2f} | "
+      f"{best['all_finite'] / ref:.2f}x | {best['grads_finite'] / ref:.2f}x |"
+    )
+    print(row, flush=True)
+    rows.append(row)
+    del tree, compiled
+  return rows
+
+
+def compile_ratios(compiles: int) -> list[str]:
+  """Median first-compile seconds of the fused step, vs plain Adam."""
+  sys.path.insert(0, os.path.dirname(__file__))
+  import step_overhead  # noqa: PLC0415
+
+  def first_compile(config: str, params: Any, lr: float) -> float:
+    if config == "plain adam":
+      init, step = step_overhead._optax_step(optax.adam(lr))
+    else:
+      init, step = step_overhead._fused(lr, record=config == "fused, record")
+    p = jax.tree.map(jnp.copy, params)
+    grads = jax.tree.map(lambda x: x * 1e-3, params)
+    t0 = time.perf_counter()
+    jax.jit(step, donate_argnums=(0, 1)).lower(p, init(p), grads).compile()
+    return time.perf_counter() - t0
+
+  rows = []
+  configs = ["plain adam", "fused, record", "fused, no record"]
+  for n in (400, 2000):
+    params = step_overhead.make_tree(n, 1000)
+    seconds: dict[str, list[float]] = {c: [] for c in configs}
+    for k in range(compiles):
+      for config in configs:
+        seconds[config].append(first_compile(config, params, 1e-3 * (2 + k)))
+    median = {c: float(np.median(s)) for c, s in seconds.items()}
+    row = (
+      f"| {n} leaves x 1000 | {median['plain adam']:.2f} | "
+      f"{median['fused, record'] / median['plain adam']:.2f}x | "
+      f"{median['fused, no record'] / median['plain adam']:.2f}x | "
+      f"{median['fused, record'] / median['fused, no record']:.2f}x |"
+    )
+    print(row, flush=True)
+    rows.append(row)
+  return rows
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--quick", action="store_true")
+  parser.add_argument("--compile", action="store_true")
+  parser.add_argument("--compiles", type=int, default=3)
+  parser.add_argument("--out", default=os.path.dirname(__file__))
+  args = parser.parse_args()
+  machine = (
+    f"jax {jax.__version__}, {jax.devices()[0].platform}"
+    f" ({platform.machine()}, {os.cpu_count()} cores)"
+  )
+  print(machine)
+  if args.compile:
+    print("| workload | plain adam (s) | fused | fused, no record | record |")
+    compile_ratios(args.compiles)
+    return
+  print("| case | dtype | one-liner (ms) | all_finite | grads_finite |")
+  rows = sweep(args.quick)
+  if args.quick:
+    return
+  with open(os.path.join(args.out, "FINITE_SWEEP.md"), "w") as f:
+    f.write(
+      "# The finiteness check against the one-liner\n\n"
+      f"`python benchmarks/finite_sweep.py`; {machine}. Ratios of the jitted"
+      " check's time to the one-liner's"
+      " (`jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))`),"
+      f" best of {REPEATS} calls, the minimum of {ROUNDS} rounds, in turns"
+      " in one process. `grads_finite` is `DynamicLossScale().grads_finite`,"
+      " the verdict the optimizers use.\n\n"
+      "| case | dtype | one-liner (ms) | all_finite | grads_finite |\n"
+      "|---|---|---|---|---|\n" + "\n".join(rows) + "\n"
+    )
+
+
+if __name__ == "__main__":
+  main()
