@@ -32,7 +32,7 @@ def check_loss_scale(call: str, loss_scale: Any) -> None:
     raise TypeError(
       f"`{call}(loss_scale=...)` must be a LossScale (FixedLossScale,"
       " DynamicLossScale, NoOpLossScale, ...), got"
-      f" {type(loss_scale).__name__} {loss_scale!r:.80}; `get` builds one"
+      f" {type(loss_scale).__name__} {loss_scale!r:.80}; `ols.get` builds one"
       " from a number or 'dynamic'."
     )
 

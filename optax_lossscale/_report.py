@@ -241,9 +241,24 @@ def _stop_message(members: _Members, m: int, limit: int) -> str:
   return (
     f"LossScaleOptimizer{member}: {members.consecutive[m]} consecutive steps"
     f" skipped (max_consecutive_skips={limit}); training has stopped making"
-    f" progress. {what} Likely fix: check the inputs and the learning rate"
-    " (a diverging run overflows at any scale); or lower min_loss_scale; or"
-    " compute the layers named above in float32."
+    f" progress. {what} Likely fix: {_likely_fix(report)}"
+  )
+
+
+def _likely_fix(report: SkipReport | None) -> str:
+  """The advice for the last skipped step: a failed forward pass or not."""
+  if report is not None and report.loss_finite is False:
+    return (
+      "the forward pass produced a non-finite loss, which no loss scale"
+      " fixes: check the inputs (NaN or inf in the batch), the learning"
+      " rate (a diverging run), and operations computed in float16 that"
+      " overflow (softmax, LayerNorm statistics, the loss: compute them in"
+      " float32)."
+    )
+  return (
+    "check the inputs and the learning rate (a diverging run overflows at"
+    " any scale); or lower min_loss_scale; or compute the layers named above"
+    " in float32."
   )
 
 

@@ -579,3 +579,19 @@ def test_skip_records_of_large_leaves_need_no_buffer_of_their_size():
     "['p2']": 1,
     "['p3']": 2,
   }
+
+
+def test_the_stop_rule_s_advice_for_a_nonfinite_loss_is_not_the_scale():
+  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale(8.0))
+  params = {"w": jnp.ones(2)}
+  state = tx.init(params)
+  step = jax.jit(tx.apply_gradients)
+  for _ in range(2):  # a failed forward pass: NaN loss and gradients
+    params, state = step(
+      {"w": jnp.full(2, jnp.nan)}, state, params, value=jnp.float32(jnp.nan)
+    )
+  with pytest.raises(ols.ConsecutiveSkipsError) as error:
+    ols.SkipMonitor(max_consecutive_skips=2, log=None)(state)
+  message = str(error.value)
+  assert "non-finite loss, which no loss scale fixes" in message
+  assert "lower min_loss_scale" not in message
