@@ -58,3 +58,25 @@ def test_page_code_runs_in_order(page, tmp_path):
     timeout=600,
   )
   assert result.returncode == 0, f"{page}:\n{result.stdout}{result.stderr}"
+
+
+def test_every_ratio_in_the_docs_is_one_a_benchmark_wrote():
+  # No hand-typed figure: a ratio quoted in the README or a docs page is
+  # one that a script in benchmarks/ wrote into its results file.
+  written = "\n".join(
+    p.read_text("utf-8") for p in (ROOT / "benchmarks").glob("*.md")
+  )
+  written_ratios = set(re.findall(r"\b\d+\.\d+x", written))
+  generated = {"docs/real_text.md"}  # written whole by examples/real_text.py
+  for page in ["README.md", *pages_with_prose()]:
+    if page in generated:
+      continue
+    text = (ROOT / page).read_text("utf-8")
+    quoted = set(re.findall(r"\b\d+\.\d+x", text))
+    assert quoted <= written_ratios, (page, sorted(quoted - written_ratios))
+
+
+def pages_with_prose() -> list[str]:
+  return [
+    str(p.relative_to(ROOT)) for p in sorted((ROOT / "docs").rglob("*.md"))
+  ]
