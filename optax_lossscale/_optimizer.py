@@ -396,7 +396,8 @@ class LossScaleOptimizer:
       ValueError: if `grads` and `params` (when given) differ in structure,
         or a leaf in shape, naming the leaf; or if, inside `shard_map`, the
         gradients vary across devices where the parameters and state do not
-        (they were not averaged with `lax.pmean`).
+        (under `check_vma`, average the loss with `lax.pmean`; without it,
+        the gradients).
       TypeError: if `state` is not a `LossScaleOptimizerState`.
     """
     self._check(grads, state, params)
@@ -442,11 +443,8 @@ class LossScaleOptimizer:
       `(new_params, new_state)`.
 
     Raises:
-      ValueError: if `grads` and `params` (when given) differ in structure,
-        or a leaf in shape, naming the leaf; or if, inside `shard_map`, the
-        gradients vary across devices where the parameters and state do not
-        (they were not averaged with `lax.pmean`).
-      TypeError: if `state` is not a `LossScaleOptimizerState`.
+      ValueError: as for `update`.
+      TypeError: as for `update`.
     """
     self._check(grads, state, params)
     apply, skip = self._fused(grads, state.loss_scale, extra_args)
