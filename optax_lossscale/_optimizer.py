@@ -511,8 +511,8 @@ class LossScaleOptimizer:
     Raises:
       ValueError: if `max_retries` is negative, or positive with a loss scale
         that cannot be lowered (`FixedLossScale`, `NoOpLossScale`).
-      TypeError: if `fun` is not callable, or `has_aux`/`max_retries` have the
-        wrong type.
+      TypeError: if `fun` is not callable, `has_aux`/`max_retries` have the
+        wrong type, or `state` is not a `LossScaleOptimizerState`.
 
     Examples:
       >>> import jax.numpy as jnp

@@ -433,6 +433,8 @@ class SkipMonitor:
         scale of the last skipped step and whether it sat at its floor, the
         scale now, whether the loss was finite, the leaves with non-finite
         gradients and the likely fix.
+      ValueError: if the state holds no `LossScaleOptimizerState`, or
+        several.
     """
     members = _read("SkipMonitor", opt_state)
     skipped = members.skipped.reshape(members.shape)

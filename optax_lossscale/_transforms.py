@@ -199,6 +199,9 @@ def apply_gradients(
   Returns:
     `(new_params, new_opt_state)`.
 
+  Raises:
+    TypeError: if `tx` has no `update` method.
+
   Examples:
     >>> import jax.numpy as jnp
     >>> import optax

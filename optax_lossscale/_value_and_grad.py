@@ -38,6 +38,11 @@ def scaled_value_and_grad(
     A function `(loss_scale_or_opt_state, *args, **kwargs) -> (value,
     scaled_grads)`, where `value` is `loss` or `(loss, aux)`.
 
+  Raises:
+    TypeError: if `fun` is not callable.
+    ValueError: when called, if the optimizer state given holds no loss scale
+      or several (as `get_loss_scale`).
+
   Examples:
     >>> import jax.numpy as jnp
     >>> import optax_lossscale as ols
