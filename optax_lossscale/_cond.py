@@ -64,8 +64,9 @@ def cond(
   results take), the `cond` is wrapped in `jax.custom_batching.custom_vmap`,
   whose rule does that select leaf by leaf with the predicate sharded like
   each case. Otherwise it is `lax.cond` itself, and the step's jaxpr is what
-  it was. The wrapped form lowers to the same `cond` unbatched, but (like any
-  `custom_vmap`) cannot be differentiated in reverse mode.
+  it was. The wrapped form lowers to the same `cond` unbatched, and is
+  differentiated as the plain `cond` (a `custom_jvp`): in reverse mode too,
+  except under `vmap` with a batched predicate.
   """
   if not _explicitly_sharded((operands, sharded_like)):
     return lax.cond(pred, true_fun, false_fun, *operands)
@@ -106,7 +107,22 @@ def cond(
     return out, jax.tree.map(lambda _: True, out)
 
   run.def_vmap(rule)
-  return run(pred, (true_consts, false_consts), operands)
+
+  @jax.custom_jvp
+  def differentiable(pred: Any, consts: Any, operands: Any) -> Any:
+    return run(pred, consts, operands)
+
+  @differentiable.defjvp
+  def differentiable_jvp(primals: Any, tangents: Any) -> Any:
+    # A custom_vmap has no reverse-mode rule: differentiate the plain `cond`
+    # (its tangents are linear in the inputs, so they transpose).
+    pred, consts, operands = primals
+    _, d_consts, d_operands = tangents
+    return jax.jvp(
+      lambda c, o: plain(pred, c, o), (consts, operands), (d_consts, d_operands)
+    )
+
+  return differentiable(pred, (true_consts, false_consts), operands)
 
 
 def _select(pred: jax.Array, on_true: jax.Array, on_false: jax.Array) -> Any:

@@ -658,6 +658,28 @@ def check_jmp_select_tree_in_shard_map():
   np.testing.assert_array_equal(varying_u[1], [[1.0, 2.0, 3.0]] * 4)
 
 
+def check_sharded_step_differentiates_in_reverse_mode():
+  # The step's `cond` over sharded leaves is differentiated as a plain
+  # `cond` (meta-learning through an optimizer step), forward and reverse.
+  mesh = _mesh((N,), ("d",))
+  with jax.set_mesh(mesh):
+    tx = ols.LossScaleOptimizer(optax.sgd(0.5), ols.DynamicLossScale(4.0))
+    params = {"w": jax.device_put(jnp.arange(16.0), P("d"))}
+    state = tx.init(params)
+
+    def applied(grads):
+      return jnp.sum(tx.update(grads, state, params)[0]["w"])
+
+    grads = {"w": jax.device_put(jnp.ones(16), P("d"))}
+    got = jax.jit(jax.grad(applied))(grads)
+    np.testing.assert_array_equal(got["w"], -0.5 / 4.0)
+    if AXIS_TYPE is None:  # Explicit axes: the sharding is in the type
+      assert jax.typeof(got["w"]).sharding.spec == P("d")
+    nan = jnp.full(16, jnp.nan).at[1:].set(1.0)
+    skipped = {"w": jax.device_put(nan, P("d"))}
+    np.testing.assert_array_equal(jax.grad(applied)(skipped)["w"], 0.0)
+
+
 def check_vmap_members_sharded_inside():
   # 4 members, each FSDP-sharded on an inner axis: `vmap` turns the step's
   # `cond` into a select, which must keep the members' shardings. Each
