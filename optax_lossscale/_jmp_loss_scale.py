@@ -292,7 +292,11 @@ class DynamicLossScale:
         lowered = lowered.astype(kept.dtype)
       loss_scale = lax.select(grads_finite, kept, lowered)
       counter = ((self.counter + 1) % self.period) * grads_finite
-    return dataclasses.replace(self, loss_scale=loss_scale, counter=counter)
+    new = dataclasses.replace(self, loss_scale=loss_scale, counter=counter)
+    # The floor keeps its place in the tree (a leaf restored as a NumPy
+    # array stays a leaf), so the next step's structure is this one's.
+    object.__setattr__(new, "_floor_is_leaf", self._floor_is_leaf)
+    return new
 
 
 def _flatten_dynamic(

@@ -679,7 +679,7 @@ class LossScaleOptimizer:
       )
     except TypeError as e:  # the branches' types differ
       error = varying_grads_error("LossScaleOptimizer", grads)
-      if error is None:
+      if error is None or "branch" not in str(e):  # not the branches' types
         raise
       raise error from e
     window_open = _window_open(inner_state)

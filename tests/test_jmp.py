@@ -1073,3 +1073,15 @@ def test_dtype_to_names_is_jmps_table_and_str_uses_its_first_names():
       f"{k}={names[0]}" for k in "pco"
     )
   assert ours.dtype_to_names[jnp.float32] == ("full", "f32", "float32")
+
+
+def test_a_floor_leaf_restored_as_numpy_stays_a_leaf_after_adjust():
+  ls = jmp.DynamicLossScale(jnp.float32(8), min_loss_scale=jnp.float32(2))
+  structure = jax.tree.structure(ls)
+  restored = jax.tree.unflatten(
+    structure, [np.asarray(x) for x in jax.tree.leaves(ls)]
+  )  # as a checkpoint restore or `jax.device_get` gives it back
+  for finite in (False, True):
+    adjusted = restored.adjust(jnp.array(finite))
+    assert jax.tree.structure(adjusted) == structure
+  assert float(restored.adjust(jnp.array(False)).loss_scale) == 4.0
