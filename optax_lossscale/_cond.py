@@ -7,25 +7,12 @@ from typing import Any
 
 import jax
 from jax import lax
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from optax_lossscale import _numerics
+
 __all__: list[str] = []
-
-
-def _explicitly_sharded(tree: Any) -> bool:
-  """Whether an Explicit mesh axis splits some leaf of `tree` in its type."""
-  for x in jax.tree.leaves(tree):
-    sharding = getattr(jax.typeof(x), "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
-    if sharding is None or mesh is None or mesh.empty:
-      continue
-    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
-    for entry in sharding.spec:
-      for name in entry if isinstance(entry, tuple) else (entry,):
-        if name is not None and types[name] == AxisType.Explicit:
-          return True
-  return False
 
 
 def _hoist(
@@ -68,7 +55,8 @@ def cond(
   differentiated as the plain `cond` (a `custom_jvp`): in reverse mode too,
   except under `vmap` with a batched predicate.
   """
-  if not _explicitly_sharded((operands, sharded_like)):
+  _, axes = _numerics.explicit_axes(jax.tree.leaves((operands, sharded_like)))
+  if not axes:
     return lax.cond(pred, true_fun, false_fun, *operands)
   # custom_vmap takes no batched value closed over: they become operands.
   true_c, true_consts = _hoist(true_fun, operands)

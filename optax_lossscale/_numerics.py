@@ -146,13 +146,13 @@ def _local_verdict(*leaves: jax.Array) -> jax.Array:
   return jnp.all(jnp.stack(checks)) if checks else jnp.array(True)
 
 
-def _explicit_axes(leaves: list[jax.Array]) -> tuple[Any, frozenset[Any]]:
+def explicit_axes(leaves: list[Any]) -> tuple[Any, frozenset[Any]]:
   """The mesh of the leaves' types and the Explicit axes that split them."""
   mesh, axes = None, set()
   for x in leaves:
-    sharding = jax.typeof(x).sharding
+    sharding = getattr(jax.typeof(x), "sharding", None)
     leaf_mesh = getattr(sharding, "mesh", None)
-    if leaf_mesh is None or leaf_mesh.empty:
+    if sharding is None or leaf_mesh is None or leaf_mesh.empty:
       continue
     types = dict(zip(leaf_mesh.axis_names, leaf_mesh.axis_types, strict=True))
     for entry in sharding.spec:
@@ -172,7 +172,7 @@ def _sharded_verdict(leaves: list[jax.Array]) -> jax.Array:
   that no Explicit axis splits are checked as they are (XLA reduces a leaf
   that Auto axes split where it lives, and all-reduces the scalar).
   """
-  mesh, axes = _explicit_axes(leaves)
+  mesh, axes = explicit_axes(leaves)
   if not axes:
     return _local_verdict(*leaves)
 

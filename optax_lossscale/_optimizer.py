@@ -199,6 +199,45 @@ def _window_open(inner_state: Any) -> jax.Array | None:
   return jnp.any(jnp.stack([jnp.asarray(s.mini_step) != 0 for s in found]))
 
 
+def _skip_or_apply(
+  applies: jax.Array,
+  apply: Callable[..., Any],
+  skip: Callable[..., Any],
+  operands: tuple[Any, ...],
+  grads: Any,
+) -> Any:
+  """The step's one `cond`; gradients left varying get an error naming them."""
+  try:
+    return _cond.cond(applies, apply, skip, *operands, sharded_like=grads)
+  except TypeError as e:  # the branches' types differ
+    error = varying_grads_error("LossScaleOptimizer", grads)
+    if error is None or "branch" not in str(e):  # not the branches' types
+      raise
+    raise error from e
+
+
+def _held_by_window(
+  decision: Decision,
+  state: LossScaleOptimizerState,
+  applies: jax.Array,
+  inner_state: Any,
+) -> Decision:
+  """The decision, its loss scale held while an accumulation window is open.
+
+  Gradient accumulation: a finite micro-batch that leaves its window open is
+  not an optimizer step, so the loss scale (good-step counter, growth,
+  hysteresis budget) holds until the window completes, as in PyTorch's
+  recipe. A non-finite one backs off at once.
+  """
+  window_open = _window_open(inner_state)
+  if window_open is None:
+    return decision
+  hold = applies & window_open
+  return decision._replace(
+    loss_scale=optax.tree.where(hold, state.loss_scale, decision.loss_scale)
+  )
+
+
 def _trace_once(fn: _Branch, *args: Any) -> tuple[_Branch, Any]:
   """`fn`, traced once, as a function that replays it, and its output shapes.
 
@@ -667,31 +706,14 @@ class LossScaleOptimizer:
         record = new if held is None else optax.tree.where(held, record, new)
       return *skip(params, inner_state), record
 
-    try:
-      out, inner_state, record = _cond.cond(
-        applies,
-        apply_,
-        skip_,
-        params,
-        state.inner_state,
-        state.last_skip,
-        sharded_like=grads,
-      )
-    except TypeError as e:  # the branches' types differ
-      error = varying_grads_error("LossScaleOptimizer", grads)
-      if error is None or "branch" not in str(e):  # not the branches' types
-        raise
-      raise error from e
-    window_open = _window_open(inner_state)
-    if window_open is not None:
-      # Gradient accumulation: a finite micro-batch that leaves its window
-      # open is not an optimizer step, so the loss scale (good-step counter,
-      # growth, hysteresis budget) holds until the window completes, as in
-      # PyTorch's recipe. A non-finite one backs off at once.
-      hold = applies & window_open
-      decision = decision._replace(
-        loss_scale=optax.tree.where(hold, state.loss_scale, decision.loss_scale)
-      )
+    out, inner_state, record = _skip_or_apply(
+      applies,
+      apply_,
+      skip_,
+      (params, state.inner_state, state.last_skip),
+      grads,
+    )
+    decision = _held_by_window(decision, state, applies, inner_state)
     new_state = self._next_state(state, decision, inner_state, retries)
     new_state = new_state._replace(last_skip=record)
     if held is not None:
