@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_lossscale import _exact
+from optax_lossscale import _exact, _numerics
 
 __all__ = [
   "DynamicLossScale",
@@ -384,9 +384,13 @@ def select_tree(pred: Any, a: T, b: T) -> T:
     raise AssertionError("expected boolean scalar")
   # Inside `shard_map`, the leaves vary along the axes that `lax.select`'s
   # would: those of `pred` and of both inputs.
-  pred_axes = _varying_axes(pred)
+  pred_axes = _numerics.varying_axes(pred)
   axes = jax.tree.map(
-    lambda x, y: pred_axes | _varying_axes(x) | _varying_axes(y), a, b
+    lambda x, y: (
+      pred_axes | _numerics.varying_axes(x) | _numerics.varying_axes(y)
+    ),
+    a,
+    b,
   )
   chosen = lax.cond(
     pred,
@@ -399,23 +403,13 @@ def select_tree(pred: Any, a: T, b: T) -> T:
   return result
 
 
-def _varying_axes(x: Any) -> frozenset[Any]:
-  """The `shard_map` axes along which `x` varies (none outside `shard_map`)."""
-  aval = jax.typeof(x)
-  manual = getattr(aval, "manual_axis_type", None)  # JAX 0.10 and later
-  axes: frozenset[Any] = (
-    manual.varying if manual is not None else getattr(aval, "vma", frozenset())
-  )
-  return axes
-
-
 def _to_varying(x: Any, axes: frozenset[Any]) -> Any:
   """`x`, marked as varying along `axes` too (no data moves).
 
   Inside `shard_map`, both branches of a `cond` must vary along the same
   axes.
   """
-  missing = tuple(sorted(axes - _varying_axes(x), key=str))
+  missing = tuple(sorted(axes - _numerics.varying_axes(x), key=str))
   if not missing:
     return x
   if hasattr(lax, "pcast"):

@@ -146,6 +146,14 @@ def _local_verdict(*leaves: jax.Array) -> jax.Array:
   return jnp.all(jnp.stack(checks)) if checks else jnp.array(True)
 
 
+def varying_axes(x: Any) -> frozenset[Any]:
+  """The `shard_map` axes along which `x` varies (none outside `shard_map`)."""
+  aval = jax.typeof(x)
+  manual = getattr(aval, "manual_axis_type", None)  # JAX 0.10 and later
+  vma = getattr(aval, "vma", None) if manual is None else manual.varying
+  return frozenset(vma or ())
+
+
 def explicit_axes(leaves: list[Any]) -> tuple[Any, frozenset[Any]]:
   """The mesh of the leaves' types and the Explicit axes that split them."""
   mesh, axes = None, set()

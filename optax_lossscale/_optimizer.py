@@ -79,14 +79,6 @@ def check_structure(call: str, updates: Any, params: Any) -> None:
       )
 
 
-def _varying(x: Any) -> frozenset[Any]:
-  """The mesh axes along which `x` varies inside `shard_map` (its vma)."""
-  aval = jax.typeof(x)
-  mat = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
-  vma = getattr(aval, "vma", None) if mat is None else mat.varying
-  return frozenset(vma or ())
-
-
 def varying_grads_error(call: str, grads: Any) -> ValueError | None:
   """The error naming gradients that vary across devices, or None.
 
@@ -95,7 +87,7 @@ def varying_grads_error(call: str, grads: Any) -> ValueError | None:
   skip then return different types, and the step's `cond` fails.
   """
   varying = [
-    (jax.tree_util.keystr(path) or "<root>", _varying(g))
+    (jax.tree_util.keystr(path) or "<root>", _numerics.varying_axes(g))
     for path, g in jax.tree_util.tree_leaves_with_path(grads)
   ]
   varying = [(name, axes) for name, axes in varying if axes]
