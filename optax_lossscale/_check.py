@@ -14,7 +14,11 @@ from optax_lossscale._loss_scale import (
   LossScale,
   check_state_values,
 )
-from optax_lossscale._states import LossScaleOptimizerState, first_copy
+from optax_lossscale._states import (
+  SKIP_RECORD_SCALARS,
+  LossScaleOptimizerState,
+  first_copy,
+)
 
 __all__ = ["check_state"]
 
@@ -28,17 +32,6 @@ _COUNTERS = (
   "nonfinite_loss_steps",
   "retries",
 )
-# The scalar fields of a `SkipRecord` (the last skipped step) and their dtypes;
-# its two vectors, `nonfinite` and `leaf_names`, have one more axis.
-_RECORD_SCALARS = {
-  "loss_scale": np.float32,
-  "next_loss_scale": np.float32,
-  "skipped_steps": np.int32,
-  "consecutive_skipped_steps": np.int32,
-  "loss_given": np.bool_,
-  "loss_finite": np.bool_,
-  "at_floor": np.bool_,
-}
 _RECORD_COUNTERS = ("skipped_steps", "consecutive_skipped_steps", "nonfinite")
 _CALL = "`check_state(tree)`"
 # A shape every array of a state must have, and the field that gave it.
@@ -138,7 +131,7 @@ def _check_record(
   if record is None:  # a state restored from 0.1.0
     return
   path = f"{path}.last_skip"
-  for name, dtype in _RECORD_SCALARS.items():
+  for name, dtype in SKIP_RECORD_SCALARS.items():
     value = _unwrapped(getattr(record, name))
     _check_array(_field(path, name), value, dtype, batch)
   nonfinite = _unwrapped(record.nonfinite)

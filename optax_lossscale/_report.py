@@ -10,6 +10,7 @@ import numpy as np
 
 from optax_lossscale import _validation
 from optax_lossscale._states import (
+  SKIP_RECORD_SCALARS,
   LossScaleOptimizerState,
   find_states,
   first_copy,
@@ -97,18 +98,6 @@ class ConsecutiveSkipsError(RuntimeError):
 ConsecutiveSkipsError.__module__ = "optax_lossscale"
 
 
-# The record's fields with one scalar per member.
-_RECORD_SCALARS = (
-  "loss_scale",
-  "next_loss_scale",
-  "skipped_steps",
-  "consecutive_skipped_steps",
-  "loss_given",
-  "loss_finite",
-  "at_floor",
-)
-
-
 class _Members(NamedTuple):
   """A state's skip counters and record on the host, one entry per member.
 
@@ -150,7 +139,7 @@ def _read(call: str, opt_state: Any) -> _Members:
   names: tuple[str, ...] = ()
   if state.last_skip is not None:
     record = {
-      k: _flat(getattr(state.last_skip, k), size) for k in _RECORD_SCALARS
+      k: _flat(getattr(state.last_skip, k), size) for k in SKIP_RECORD_SCALARS
     }
     nonfinite = np.asarray(first_copy(state.last_skip.nonfinite))
     record["nonfinite"] = nonfinite.reshape(size, -1)

@@ -53,6 +53,20 @@ def first_copy(x: Any) -> Any:
   return x if isinstance(x, (jax.Array, np.ndarray)) else jnp.asarray(x)
 
 
+# The scalar fields of a `SkipRecord` and their dtypes (one scalar per member
+# in a stacked state); its two vectors, `nonfinite` and `leaf_names`, have
+# one more axis.
+SKIP_RECORD_SCALARS: dict[str, type] = {
+  "loss_scale": np.float32,
+  "next_loss_scale": np.float32,
+  "skipped_steps": np.int32,
+  "consecutive_skipped_steps": np.int32,
+  "loss_given": np.bool_,
+  "loss_finite": np.bool_,
+  "at_floor": np.bool_,
+}
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SkipRecord:
