@@ -32,7 +32,7 @@ _COUNTERS = (
   "nonfinite_loss_steps",
   "retries",
 )
-_RECORD_COUNTERS = ("skipped_steps", "consecutive_skipped_steps", "nonfinite")
+_RECORD_COUNTERS = ("skipped_steps", "consecutive_skipped_steps")
 _CALL = "`check_state(tree)`"
 # A shape every array of a state must have, and the field that gave it.
 Batch = tuple[str, tuple[int, ...]] | None
@@ -126,7 +126,7 @@ def _name_count(leaf_names: Any) -> int | None:
 def _check_record(
   state: LossScaleOptimizerState, path: str, batch: Batch
 ) -> None:
-  """The last skip's fields have their dtypes and shapes, counts >= 0."""
+  """The last skip's fields have their dtypes and shapes, counters >= 0."""
   record = state.last_skip
   if record is None:  # a state restored from 0.1.0
     return
@@ -136,7 +136,7 @@ def _check_record(
     _check_array(_field(path, name), value, dtype, batch)
   nonfinite = _unwrapped(record.nonfinite)
   leaf_names = _unwrapped(record.leaf_names)
-  _check_array(_field(path, "nonfinite"), nonfinite, np.int32, batch, True)
+  _check_array(_field(path, "nonfinite"), nonfinite, np.bool_, batch, True)
   _check_array(_field(path, "leaf_names"), leaf_names, np.uint8, batch, True)
   for name in _RECORD_COUNTERS:
     _validation.elements(
@@ -150,7 +150,7 @@ def _check_record(
   shape = _validation.shape_of(nonfinite)
   if count is not None and shape and shape[-1] != count:
     raise ValueError(
-      f"{_field(path, 'nonfinite')} must hold one count per name in"
+      f"{_field(path, 'nonfinite')} must hold one flag per name in"
       f" `{path}.leaf_names`, {count}, got shape {shape}."
     )
 
@@ -213,10 +213,10 @@ def check_state(tree: T) -> T:
 
   - every array has its field's dtype: float32 scales, int32 counters, bool
     flags (`should_apply`, the record's `loss_given`, `loss_finite`,
-    `at_floor`) and uint8 `last_skip.leaf_names`;
+    `at_floor` and `nonfinite`) and uint8 `last_skip.leaf_names`;
   - every array has the shape of the state's `should_apply` (of its
     `current_loss_scale`, for a bare loss scale), with one more axis for
-    `last_skip.nonfinite` (one count per name in `leaf_names`) and
+    `last_skip.nonfinite` (one flag per name in `leaf_names`) and
     `last_skip.leaf_names`;
   - a `DynamicLossScale`'s scale is finite and in `[min_loss_scale,
     max_loss_scale]`, `num_good_steps` an integer in `[0,

@@ -317,7 +317,18 @@ class LossScale(abc.ABC):
       >>> bool(ols.FixedLossScale(2.0).grads_finite(grads))
       True
     """
-    return _numerics.all_finite(self.unscale(scaled_grads), axis_name=axis_name)
+    checked = self._checked_grads(scaled_grads)
+    return _numerics.all_finite(checked, axis_name=axis_name)
+
+  def _checked_grads(self, scaled_grads: Any) -> Any:
+    """The gradients `grads_finite` reads: the unscaled ones, here.
+
+    The built-in loss scales, whose scale cannot fall below 1, return the
+    scaled gradients: unscaling by at least 1 cannot make a finite gradient
+    infinite, and the unscaling is then not read by the check, so it fuses
+    into whatever consumes the unscaled gradients (the inner update).
+    """
+    return self.unscale(scaled_grads)
 
   def lowered(self) -> Self | None:
     """Returns the loss scale to retry a step with after its gradients overflowed.
@@ -341,20 +352,23 @@ class LossScale(abc.ABC):
     return None
 
 
-def _scaled_grads_finite(
-  scaled_grads: Any, axis_name: _numerics.AxisName
-) -> jax.Array:
-  """`grads_finite` for a scale of at least 1: reads the scaled gradients once.
+def leaf_flags(loss_scale: LossScale, scaled_grads: Any) -> jax.Array | None:
+  """Per leaf of `scaled_grads`, whether it is finite once unscaled; local.
 
-  The unscaling is then not read by the check, so it can fuse into whatever
-  consumes the unscaled gradients (the inner optimizer's update).
+  A bool vector in `jax.tree.leaves` order, read as `grads_finite` reads the
+  gradients: its verdict is `jnp.all` of it, before replicas agree. None
+  when the loss scale's class overrides `grads_finite`, whose own verdict
+  then decides.
   """
-  leaves = [
-    _check_leaf(x, "update")
-    for x in _numerics.array_leaves(scaled_grads)
-    if not _passes_unchanged(x)
-  ]
-  return _numerics.verdict(leaves, axis_name)
+  if type(loss_scale).grads_finite is not LossScale.grads_finite:
+    return None
+  checked = loss_scale._checked_grads(scaled_grads)
+  return _numerics.finite_flags(jax.tree.leaves(checked))
+
+
+def _scaled(scaled_grads: Any) -> Any:
+  """The scaled gradients, their leaves checked: a check's input."""
+  return _map_arrays(lambda x: x, scaled_grads, "update")
 
 
 def _static(**kwargs: Any) -> Any:
@@ -411,10 +425,8 @@ class FixedLossScale(LossScale):
     del grads_finite
     return self, jnp.array(True)
 
-  def grads_finite(
-    self, scaled_grads: Any, *, axis_name: _numerics.AxisName = None
-  ) -> jax.Array:
-    return _scaled_grads_finite(scaled_grads, axis_name)
+  def _checked_grads(self, scaled_grads: Any) -> Any:
+    return _scaled(scaled_grads)
 
   def get_config(self) -> dict[str, Any]:
     return {"loss_scale_value": self.loss_scale_value}
@@ -449,10 +461,8 @@ class NoOpLossScale(LossScale):
     del grads_finite
     return self, jnp.array(True)
 
-  def grads_finite(
-    self, scaled_grads: Any, *, axis_name: _numerics.AxisName = None
-  ) -> jax.Array:
-    return _scaled_grads_finite(scaled_grads, axis_name)
+  def _checked_grads(self, scaled_grads: Any) -> Any:
+    return _scaled(scaled_grads)
 
   def scale(self, tree: Any) -> Any:
     return _map_arrays(lambda x: x, tree, "scale")
@@ -736,12 +746,10 @@ class DynamicLossScale(LossScale):
     # `asarray` unwraps containers such as Flax NNX's optimizer variables.
     return jnp.asarray(self.current_loss_scale)
 
-  def grads_finite(
-    self, scaled_grads: Any, *, axis_name: _numerics.AxisName = None
-  ) -> jax.Array:
+  def _checked_grads(self, scaled_grads: Any) -> Any:
     if self.min_loss_scale >= 1:
-      return _scaled_grads_finite(scaled_grads, axis_name)
-    return super().grads_finite(scaled_grads, axis_name=axis_name)
+      return _scaled(scaled_grads)
+    return self.unscale(scaled_grads)
 
   def _backed_off(self) -> jax.Array:
     """The scale divided by `multiplier`, floored: TensorFlow's backoff."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import jax
@@ -83,26 +83,30 @@ def _finite(x: jax.Array) -> jax.Array:
   return jnp.isfinite(jnp.sum(rows.astype(jnp.float32)) + jnp.sum(tail))
 
 
-# Leaves up to this size are concatenated (per dtype, up to _CONCAT of them at
-# a time) and each concatenation is checked by one reduction: a kernel per
-# small leaf costs more to launch than to copy the leaf, on every backend,
-# and on XLA's CPU backend each kernel is also compiled on its own
-# (`benchmarks/finite_sweep.py`, 400 x (1000,) on a 2-core CPU: 0.4x to 0.9x
-# the one-liner read together, 1.3x to 1.8x a kernel each). Larger leaves
-# are checked in place (512 leaves of 32,768 elements: 1.9x the plain Adam
-# step when copied, 1.1x in place), and so is a leaf that may be split
-# across devices: a concatenation would gather it (Auto axes) or be refused
-# (Explicit axes). One concatenation of thousands of operands compiles
+# Leaves up to this size are stacked (per dtype and similar size, up to
+# _CONCAT of them at a time) and each stack is checked by one reduction, a
+# row per leaf: a kernel per small leaf costs more to launch than to copy the
+# leaf, on every backend, and on XLA's CPU backend each kernel is also
+# compiled on its own (`benchmarks/finite_sweep.py`, 400 x (1000,) on a
+# 2-core CPU: 0.4x to 0.9x the one-liner read together, 1.3x to 1.8x a kernel
+# each). Larger leaves are checked in place (512 leaves of 32,768 elements:
+# 1.9x the plain Adam step when copied, 1.1x in place), and so is a leaf that
+# may be split across devices: stacking would gather it (Auto axes) or be
+# refused (Explicit axes). One stack of thousands of operands compiles
 # slowly: 2000 leaves in groups of 64 compile in about a third of the time.
 _SMALL_LEAF = 2**14
 _CONCAT = 64
+# A stack's rows are padded to its longest leaf: a leaf joins a stack only if
+# it is at most this many times the size of the stack's first (smallest).
+_PADDING = 4
 
 
 def _partition(leaves: list[jax.Array]) -> list[list[int]]:
   """The indices of the leaves read together, group by group.
 
   A large or sharded leaf is a group of its own; small ones are grouped per
-  dtype, up to _CONCAT at a time.
+  dtype, in order of size, up to _CONCAT at a time and within a factor of
+  _PADDING in size.
   """
   small: dict[Any, list[int]] = {}
   groups = []
@@ -112,8 +116,17 @@ def _partition(leaves: list[jax.Array]) -> list[list[int]]:
     else:
       groups.append([i])
   for same_dtype in small.values():
-    for start in range(0, len(same_dtype), _CONCAT):
-      groups.append(same_dtype[start : start + _CONCAT])
+    group: list[int] = []
+    for i in sorted(same_dtype, key=lambda i: leaves[i].size):
+      first = leaves[group[0]].size if group else 0
+      if group and (
+        len(group) == _CONCAT or leaves[i].size > _PADDING * max(first, 1)
+      ):
+        groups.append(group)
+        group = []
+      group.append(i)
+    if group:
+      groups.append(group)
   return groups
 
 
@@ -123,27 +136,57 @@ def _in_place(members: list[jax.Array]) -> bool:
   return len(members) == 1 and (x.size > _SMALL_LEAF or not _is_whole(x))
 
 
-def _read_together(members: list[jax.Array]) -> jax.Array:
-  """A large leaf as it is; small ones as one concatenation."""
-  if _in_place(members):
-    return members[0]
-  return jnp.concatenate([x.ravel() for x in members])
+def _rows_finite(members: list[jax.Array]) -> jax.Array:
+  """Per small whole leaf of one dtype, whether it is finite: one reduction.
+
+  The leaves, the shorter ones padded with zeros (finite), are concatenated
+  into rows of one length, one row each, and each row's `x - x` is summed
+  as in `_finite` (float16 in its own dtype by `_ROW` elements first, so
+  rows are padded to a multiple of `_ROW`).
+  """
+  longest = max(x.size for x in members)
+  if members[0].dtype == jnp.float16:
+    longest = -(-longest // _ROW) * _ROW
+  rows = jnp.concatenate(
+    [
+      jnp.pad(x.ravel(), (0, longest - x.size))
+      if x.size < longest
+      else x.ravel()
+      for x in members
+    ]
+  ).reshape(len(members), longest)
+  if rows.dtype == jnp.bfloat16:
+    rows = rows.astype(jnp.float32)
+  zero = rows - rows
+  if zero.dtype == jnp.float16:
+    sums = lax.reduce(
+      zero.reshape(len(members), -1, _ROW),
+      np.zeros((), zero.dtype),
+      lax.add,
+      (2,),
+    )
+    zero = sums.astype(jnp.float32)
+  return jnp.isfinite(jnp.sum(zero, axis=1))
 
 
-def verdict(leaves: list[jax.Array], axis_name: AxisName) -> jax.Array:
-  """True iff every element of every leaf is finite; one read of each leaf."""
-  return agree(_sharded_verdict(leaves), axis_name)
-
-
-def _local_verdict(*leaves: jax.Array) -> jax.Array:
-  checks = []
+def _local_flags(*leaves: jax.Array) -> jax.Array:
+  """Per float leaf, whether it is finite, in leaf order; no collective."""
+  pieces: list[tuple[list[int], jax.Array]] = []
   for group in _partition(list(leaves)):
     members = [leaves[i] for i in group]
-    if _in_place(members) and _is_whole(members[0]):
-      checks.append(_finite(members[0]))
-    else:  # small leaves concatenated, or a leaf split across devices
-      checks.append(jnp.all(jnp.isfinite(_read_together(members))))
-  return jnp.all(jnp.stack(checks)) if checks else jnp.array(True)
+    if not _in_place(members):
+      pieces.append((group, _rows_finite(members)))
+    elif _is_whole(members[0]):
+      pieces.append((group, _finite(members[0]).reshape(1)))
+    else:  # split across devices: XLA reduces it where it lives
+      pieces.append((group, jnp.all(jnp.isfinite(members[0])).reshape(1)))
+  if not pieces:
+    return jnp.ones((0,), jnp.bool_)
+  flags = jnp.concatenate([f for _, f in pieces])
+  order = [i for group, _ in pieces for i in group]
+  if order == sorted(order):
+    return flags
+  return flags[np.argsort(order)]
 
 
 def varying_axes(x: Any) -> frozenset[Any]:
@@ -171,29 +214,56 @@ def explicit_axes(leaves: list[Any]) -> tuple[Any, frozenset[Any]]:
   return mesh, frozenset(axes)
 
 
-def _sharded_verdict(leaves: list[jax.Array]) -> jax.Array:
-  """The verdict of leaves that Explicit mesh axes may split.
+def _float_flags(leaves: list[jax.Array]) -> jax.Array:
+  """Per float leaf, whether it is finite, for leaves Explicit axes may split.
 
   Each device checks its own blocks, which are whole there, so that small
-  leaves are concatenated and checked by a few kernels rather than one
-  each, and one scalar collective combines the devices' verdicts. Leaves
-  that no Explicit axis splits are checked as they are (XLA reduces a leaf
-  that Auto axes split where it lives, and all-reduces the scalar).
+  leaves are stacked and checked by a few kernels rather than one each, and
+  one collective of the flags combines the devices'. Leaves that no Explicit
+  axis splits are checked as they are (XLA reduces a leaf that Auto axes
+  split where it lives, and all-reduces the flag).
   """
   mesh, axes = explicit_axes(leaves)
   if not axes:
-    return _local_verdict(*leaves)
+    return _local_flags(*leaves)
 
   def local(*blocks: jax.Array) -> jax.Array:
-    ok = _local_verdict(*blocks).astype(jnp.int32)
-    agreed: jax.Array = lax.pmin(ok, tuple(sorted(axes, key=str)))
-    return agreed.astype(jnp.bool_)
+    return agree(_local_flags(*blocks), tuple(sorted(axes, key=str)))
 
   specs = tuple(jax.typeof(x).sharding.spec for x in leaves)
   checked: jax.Array = jax.shard_map(
     local, mesh=mesh, in_specs=specs, out_specs=P(), axis_names=set(axes)
   )(*leaves)
   return checked
+
+
+def finite_flags(leaves: list[Any]) -> jax.Array:
+  """Per leaf, True iff every element is finite: a bool vector, local.
+
+  Each leaf is read once, where it lives; small leaves are read a stack at a
+  time. Leaves that are not floating point (integers, `float0`) are finite.
+  No collective combines replicas (see `agree`).
+  """
+  floats = [
+    i
+    for i, x in enumerate(leaves)
+    if not is_float0(x) and jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+  ]
+  flags = _float_flags([jnp.asarray(leaves[i]) for i in floats])
+  if len(floats) == len(leaves):
+    return flags
+  position = dict(zip(floats, range(len(floats)), strict=True))
+  return jnp.stack(
+    [
+      flags[position[i]] if i in position else jnp.array(True)
+      for i in range(len(leaves))
+    ]
+  )
+
+
+def verdict(leaves: list[jax.Array], axis_name: AxisName) -> jax.Array:
+  """True iff every element of every float leaf is finite; one read of each."""
+  return agree(jnp.all(_float_flags(leaves)), axis_name)
 
 
 def agree(flags: jax.Array, axis_name: AxisName) -> jax.Array:
@@ -206,102 +276,6 @@ def agree(flags: jax.Array, axis_name: AxisName) -> jax.Array:
     return flags
   agreed: jax.Array = lax.pmin(flags.astype(jnp.int32), axis_name)
   return agreed.astype(jnp.bool_)
-
-
-def nonfinite_counts(
-  leaves: list[jax.Array], unscale: Callable[[jax.Array], jax.Array]
-) -> jax.Array:
-  """How many non-finite elements each leaf has once unscaled: int32s.
-
-  The leaves are read in the groups the check reads them in, and `unscale`
-  (an elementwise division, as `LossScale.unscale` is) is applied to each
-  group as one array, so that hundreds of small leaves cost a few kernels,
-  not a few each. No array constant enters the computation (a `vmap`ped
-  `cond` over a sharded member axis refuses them).
-  """
-  pieces: list[tuple[list[int], jax.Array]] = []
-  whole: dict[Any, list[int]] = {}
-  for group in _partition(leaves):
-    members = [leaves[i] for i in group]
-    if not _in_place(members):
-      pieces.append((group, _counts_together(members, unscale)))
-    elif _is_whole(members[0]):
-      # Counted below, with the whole leaves of the same size.
-      whole.setdefault((members[0].dtype, members[0].size), []).extend(group)
-    else:  # a sharded leaf, counted where it lives (each device its block)
-      flags = ~jnp.isfinite(unscale(members[0]))
-      pieces.append((group, jnp.sum(flags, dtype=jnp.int32).reshape(1)))
-  for same in whole.values():
-    for start in range(0, len(same), _CONCAT):
-      group = same[start : start + _CONCAT]
-      pieces.append(
-        (group, _count_in_chunks([leaves[i] for i in group], unscale))
-      )
-  return _in_leaf_order(pieces, len(leaves))
-
-
-def _in_leaf_order(
-  pieces: list[tuple[list[int], jax.Array]], n: int
-) -> jax.Array:
-  """The counts of `pieces` (leaf indices, their counts) in leaf order."""
-  if not pieces:
-    return jnp.zeros((0,), jnp.int32)
-  order = [i for indices, _ in pieces for i in indices]
-  if order == list(range(n)):  # the usual case: one concatenation
-    return jnp.concatenate([counts for _, counts in pieces])
-  by_leaf = {
-    i: counts[k] for indices, counts in pieces for k, i in enumerate(indices)
-  }
-  return jnp.stack([by_leaf[i] for i in range(n)])
-
-
-# Large leaves that are whole on each device are counted in chunks of this
-# many elements, all leaves of one size in one loop: XLA's CPU backend writes
-# out the flags of a counted array (it fuses no compare into a reduction), so
-# counting whole leaves would need buffers of the gradients' size.
-_COUNT_CHUNK = 2**11
-
-
-def _count_in_chunks(
-  members: list[jax.Array], unscale: Callable[[jax.Array], jax.Array]
-) -> jax.Array:
-  """The non-finite counts of whole leaves of one size, chunk by chunk."""
-  flats = [x.ravel() for x in members]
-  size = flats[0].size
-  chunks, tail = divmod(size, _COUNT_CHUNK)
-
-  def count(start: Any, length: int) -> jax.Array:
-    pieces = [lax.dynamic_slice_in_dim(f, start, length) for f in flats]
-    flags = ~jnp.isfinite(unscale(jnp.stack(pieces)))
-    counted: jax.Array = jnp.sum(flags, axis=1, dtype=jnp.int32)
-    return counted
-
-  totals = jnp.zeros(len(members), jnp.int32)
-  if chunks:
-    totals = lax.fori_loop(
-      0,
-      chunks,
-      lambda i, n: n + count(i * _COUNT_CHUNK, _COUNT_CHUNK),
-      totals,
-    )
-  if tail:
-    totals += count(chunks * _COUNT_CHUNK, tail)
-  return totals
-
-
-def _counts_together(
-  members: list[jax.Array], unscale: Callable[[jax.Array], jax.Array]
-) -> jax.Array:
-  """The non-finite counts of small whole leaves of one dtype, one reduction.
-
-  The leaves are padded with zeros (finite) to the longest and stacked: one
-  kernel counts them all, with a buffer of at most _CONCAT x _SMALL_LEAF
-  elements.
-  """
-  longest = max(x.size for x in members)
-  rows = jnp.stack([jnp.pad(x.ravel(), (0, longest - x.size)) for x in members])
-  counts: jax.Array = jnp.sum(~jnp.isfinite(unscale(rows)), 1, jnp.int32)
-  return counts
 
 
 def all_finite(tree: Any, *, axis_name: AxisName = None) -> jax.Array:

@@ -10,10 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 
 from optax_lossscale import _cond, _numerics, _retry, _validation
-from optax_lossscale._loss_scale import LossScale
+from optax_lossscale._loss_scale import LossScale, leaf_flags
 from optax_lossscale._states import (
   LossScaleOptimizerState,
   SkipRecord,
@@ -124,22 +123,42 @@ class Decision(NamedTuple):
   loss_finite: jax.Array | None
 
 
+class Verdicts(NamedTuple):
+  """What a step's check found, agreed across replicas.
+
+  `leaf_flags`: per gradient leaf, whether it is finite once unscaled (None
+  when a loss scale's own `grads_finite` decided: the skip record then reads
+  the gradients again).
+  """
+
+  grads_finite: jax.Array
+  loss_finite: jax.Array | None
+  leaf_flags: jax.Array | None
+
+
 def verdicts(
   call: str,
   loss_scale: LossScale,
   grads: Any,
   value: Any,
   axis_name: _numerics.AxisName,
-) -> tuple[jax.Array, jax.Array | None]:
-  """(gradients finite, loss finite or None), agreed across replicas.
+) -> Verdicts:
+  """What the step's check found: one read of the gradients.
 
-  One fused read of the gradients, and one collective for both verdicts.
+  The gradients' flags, one per leaf, and the loss's verdict are agreed
+  across replicas by one collective.
   """
-  local = [loss_scale.grads_finite(grads)]
+  flags = leaf_flags(loss_scale, grads)
+  local = [loss_scale.grads_finite(grads)[None] if flags is None else flags]
   if value is not None:
-    local.append(loss_verdict(call, value))
-  agreed = _numerics.agree(jnp.stack(local), axis_name)
-  return agreed[0], (agreed[1] if value is not None else None)
+    local.append(loss_verdict(call, value)[None])
+  agreed = _numerics.agree(jnp.concatenate(local), axis_name)
+  n = local[0].shape[0]
+  return Verdicts(
+    grads_finite=jnp.all(agreed[:n]),
+    loss_finite=agreed[n] if value is not None else None,
+    leaf_flags=None if flags is None else agreed[:n],
+  )
 
 
 def decide(
@@ -399,7 +418,7 @@ class LossScaleOptimizer:
         loss_given=no(),
         loss_finite=jnp.array(True),
         at_floor=no(),
-        nonfinite=jnp.zeros((len(names),), jnp.int32),
+        nonfinite=jnp.zeros((len(names),), jnp.bool_),
         leaf_names=jnp.asarray(SkipRecord.encode_names(names)),
       ),
     )
@@ -595,14 +614,10 @@ class LossScaleOptimizer:
         f" {max_retries}."
       )
 
-    def check(
-      ls: LossScale, value: Any, grads: Any
-    ) -> tuple[jax.Array, jax.Array]:
-      grads_finite, loss_finite = verdicts(
+    def check(ls: LossScale, value: Any, grads: Any) -> Verdicts:
+      return verdicts(
         "LossScaleOptimizer.minimize", ls, grads, loss_of(value), self.axis_name
       )
-      assert loss_finite is not None  # a loss was given
-      return grads_finite, loss_finite
 
     def finish(found: _retry.Found, again: jax.Array, operand: Any) -> Any:
       params, state = operand
@@ -615,7 +630,7 @@ class LossScaleOptimizer:
         extra_args,
         apply,
         skip,
-        known=(found.grads_finite, found.loss_finite),
+        known=found.checks,
         retries=found.retries,
         held=again,
       )
@@ -657,7 +672,7 @@ class LossScaleOptimizer:
     apply: _Branch,
     skip: _Branch,
     *,
-    known: tuple[jax.Array, jax.Array | None] | None = None,
+    known: Verdicts | None = None,
     retries: jax.Array | None = None,
     held: jax.Array | None = None,
   ) -> tuple[Any, LossScaleOptimizerState]:
@@ -677,9 +692,11 @@ class LossScaleOptimizer:
         extra_args.get("value"),
         self.axis_name,
       )
-    grads_finite, loss_finite = known
     decision = decide(
-      state.loss_scale, grads_finite, loss_finite, self.skip_nonfinite
+      state.loss_scale,
+      known.grads_finite,
+      known.loss_finite,
+      self.skip_nonfinite,
     )
 
     applies = decision.should_apply
@@ -694,7 +711,7 @@ class LossScaleOptimizer:
       # already operands of this cond (the update reads them), and a cond of
       # its own would cost a second conditional per step.
       if record is not None:
-        new = self._record(grads, state, decision)
+        new = self._record(grads, state, decision, known.leaf_flags)
         record = new if held is None else optax.tree.where(held, record, new)
       return *skip(params, inner_state), record
 
@@ -748,50 +765,45 @@ class LossScaleOptimizer:
       retries=total_retries,
     )
 
-  def _counts(self, grads: Any, loss_scale: LossScale, slots: int) -> Any:
-    """Each gradient leaf's count of non-finite unscaled values (int32s).
+  def _nonfinite(
+    self,
+    grads: Any,
+    loss_scale: LossScale,
+    flags: jax.Array | None,
+    slots: int,
+  ) -> jax.Array:
+    """Per gradient leaf, whether it had a non-finite unscaled value.
 
-    A state whose parameters had no leaf (`init(None)`) has no slot: its
-    records name no leaf.
+    From the check's flags; where a loss scale's own `grads_finite` decided,
+    from the unscaled gradients, read again on this skipped step. A state
+    whose parameters had no leaf (`init(None)`) has no slot: its records
+    name no leaf.
     """
-    flat = jax.tree.leaves(grads)
     if slots == 0:
-      return jnp.zeros((0,), jnp.int32)
-    if len(flat) != slots:
+      return jnp.zeros((0,), jnp.bool_)
+    n = len(jax.tree.leaves(grads))
+    if n != slots:
       raise ValueError(
         "`LossScaleOptimizer.update(updates, state)`: `updates` has"
-        f" {len(flat)} leaves, but the parameters `init` was given had"
-        f" {slots}."
+        f" {n} leaves, but the parameters `init` was given had {slots}."
       )
-    counted = [
-      i
-      for i, x in enumerate(flat)
-      if not _numerics.is_float0(x)
-      and jnp.issubdtype(jnp.result_type(x), jnp.inexact)
-    ]
-    counts = _numerics.nonfinite_counts(
-      [flat[i] for i in counted], loss_scale.unscale
-    )
-    if len(counted) == len(flat):
-      return counts
-    # float0 and integer leaves count nothing.
-    per_leaf = [jnp.zeros((), jnp.int32)] * len(flat)
-    for k, i in enumerate(counted):
-      per_leaf[i] = counts[k]
-    return jnp.stack(per_leaf)
+    if flags is None:
+      unscaled = jax.tree.leaves(loss_scale.unscale(grads))
+      flags = _numerics.agree(_numerics.finite_flags(unscaled), self.axis_name)
+    return ~flags
 
   def _record(
-    self, grads: Any, state: LossScaleOptimizerState, decision: Decision
+    self,
+    grads: Any,
+    state: LossScaleOptimizerState,
+    decision: Decision,
+    flags: jax.Array | None,
   ) -> SkipRecord:
     """The record of a skipped step, from the state before it."""
     record = state.last_skip
     assert record is not None
     loss_scale = state.loss_scale
-    counts = self._counts(grads, loss_scale, record.nonfinite.shape[-1])
-    if self.axis_name is not None:
-      # Gradients averaged before the step are the same on every replica:
-      # the largest count is the one to report, not their sum.
-      counts = lax.pmax(counts, self.axis_name)
+    slots = record.nonfinite.shape[-1]
     lowered = loss_scale.lowered()
     loss_finite = decision.loss_finite
     return dataclasses.replace(
@@ -807,7 +819,7 @@ class LossScaleOptimizer:
       at_floor=(
         jnp.array(True) if lowered is None else lowered() >= loss_scale()
       ),
-      nonfinite=counts,
+      nonfinite=self._nonfinite(grads, loss_scale, flags, slots),
     )
 
 

@@ -40,8 +40,8 @@ class SkipReport(NamedTuple):
     consecutive_skipped_steps: how many in a row, this one included.
     loss_finite: whether the loss (`value=`) was finite; None when no loss
       was given.
-    nonfinite: for each gradient leaf with non-finite unscaled values, its
-      `jax.tree_util.keystr` path and how many such values it has. Empty when
+    nonfinite: the gradient leaves with non-finite unscaled values, by their
+      `jax.tree_util.keystr` paths, in the parameters' leaf order. Empty when
       only the loss was non-finite.
     member: in a state stacked over `vmap` members (or `pmap` replicas), the
       index of the member that skipped (over several stacked axes, its
@@ -50,11 +50,11 @@ class SkipReport(NamedTuple):
 
   Examples:
     >>> import optax_lossscale as ols
-    >>> report = ols.SkipReport(1024.0, 512.0, 3, 1, True, {"['w']": 2})
+    >>> report = ols.SkipReport(1024.0, 512.0, 3, 1, True, ("['w']",))
     >>> print(report)
-    skipped step (1 in a row, 3 in all): loss scale 1024 -> 512; loss finite; non-finite gradients: ['w'] (2)
+    skipped step (1 in a row, 3 in all): loss scale 1024 -> 512; loss finite; non-finite gradients: ['w']
     >>> print(report._replace(member=2))
-    member 2: skipped step (1 in a row, 3 in all): loss scale 1024 -> 512; loss finite; non-finite gradients: ['w'] (2)
+    member 2: skipped step (1 in a row, 3 in all): loss scale 1024 -> 512; loss finite; non-finite gradients: ['w']
   """
 
   loss_scale: float
@@ -62,7 +62,7 @@ class SkipReport(NamedTuple):
   skipped_steps: int
   consecutive_skipped_steps: int
   loss_finite: bool | None
-  nonfinite: dict[str, int]
+  nonfinite: tuple[str, ...]
   member: int | None = None
 
   def __str__(self) -> str:
@@ -81,9 +81,8 @@ class SkipReport(NamedTuple):
 
 
 def _leaves(report: SkipReport) -> str:
-  """The non-finite leaves and their counts, or 'none'."""
-  listed = ", ".join(f"{k} ({v})" for k, v in report.nonfinite.items())
-  return listed or "none"
+  """The non-finite leaves, or 'none'."""
+  return ", ".join(report.nonfinite) or "none"
 
 
 def _log_skip(report: SkipReport) -> None:
@@ -168,18 +167,16 @@ def _recorded(members: _Members, m: int) -> SkipReport | None:
   if skipped == 0 or skipped != members.skipped[m]:
     return None
   loss_given = bool(record["loss_given"][m])
-  counts = record["nonfinite"][m]
+  flags = record["nonfinite"][m]
   return SkipReport(
     loss_scale=float(record["loss_scale"][m]),
     next_loss_scale=float(record["next_loss_scale"][m]),
     skipped_steps=skipped,
     consecutive_skipped_steps=int(record["consecutive_skipped_steps"][m]),
     loss_finite=bool(record["loss_finite"][m]) if loss_given else None,
-    nonfinite={
-      name: int(n)
-      for name, n in zip(members.names, counts, strict=True)
-      if n > 0
-    },
+    nonfinite=tuple(
+      name for name, bad in zip(members.names, flags, strict=True) if bad
+    ),
     member=m if members.shape else None,
   )
 
@@ -196,7 +193,7 @@ def _latest(members: _Members, m: int) -> SkipReport | None:
     skipped_steps=int(members.skipped[m]),
     consecutive_skipped_steps=int(members.consecutive[m]),
     loss_finite=None,
-    nonfinite={},
+    nonfinite=(),
     member=m if members.shape else None,
   )
 
@@ -288,7 +285,7 @@ def skip_reports(opt_state: Any) -> list[SkipReport]:
     []
     >>> _, state = tx.update({"w": jnp.array([jnp.inf, 1.0])}, state, params)
     >>> print(*ols.skip_reports(state))
-    skipped step (1 in a row, 1 in all): loss scale 32768 -> 16384; no loss given; non-finite gradients: ['w'] (1)
+    skipped step (1 in a row, 1 in all): loss scale 32768 -> 16384; no loss given; non-finite gradients: ['w']
 
     A `vmap` ensemble:
 
@@ -300,8 +297,8 @@ def skip_reports(opt_state: Any) -> list[SkipReport]:
     >>> _, state = jax.vmap(tx.update)(grads, state, params)
     >>> for report in ols.skip_reports(state):
     ...   print(report)
-    member 1: skipped step (1 in a row, 1 in all): loss scale 32768 -> 16384; no loss given; non-finite gradients: ['w'] (1)
-    member 2: skipped step (1 in a row, 1 in all): loss scale 32768 -> 16384; no loss given; non-finite gradients: ['w'] (1)
+    member 1: skipped step (1 in a row, 1 in all): loss scale 32768 -> 16384; no loss given; non-finite gradients: ['w']
+    member 2: skipped step (1 in a row, 1 in all): loss scale 32768 -> 16384; no loss given; non-finite gradients: ['w']
   """
   members = _read("skip_reports", opt_state)
   reports = (_recorded(members, m) for m in range(members.skipped.size))
@@ -371,8 +368,8 @@ class SkipMonitor:
     >>> grads = {"w": jnp.array([[jnp.nan, 1.0], [jnp.inf, 1.0]])}
     >>> _, state = jax.vmap(tx.update)(grads, state, params)
     >>> monitor(state).member  # the member with the longest streak
-    member 0: skipped step (1 in a row, 1 in all): loss scale 32768 -> 16384; no loss given; non-finite gradients: ['w'] (1)
-    member 1: skipped step (1 in a row, 1 in all): loss scale 32768 -> 16384; no loss given; non-finite gradients: ['w'] (1)
+    member 0: skipped step (1 in a row, 1 in all): loss scale 32768 -> 16384; no loss given; non-finite gradients: ['w']
+    member 1: skipped step (1 in a row, 1 in all): loss scale 32768 -> 16384; no loss given; non-finite gradients: ['w']
     0
   """
 

@@ -17,13 +17,15 @@ __all__: list[str] = []
 
 
 class Found(NamedTuple):
-  """One attempt of a retry loop; `retries`: the retries made before it."""
+  """One attempt of a retry loop; `retries`: the retries made before it.
+
+  `checks`: what `verdicts` found, with `grads_finite` and `loss_finite`.
+  """
 
   value: Any
   grads: Any
   loss_scale: LossScale
-  grads_finite: jax.Array
-  loss_finite: jax.Array
+  checks: Any
   retries: jax.Array
 
 
@@ -35,7 +37,7 @@ def _can_lower(loss_scale: LossScale) -> jax.Array:
 
 def retry(
   attempt: Callable[[LossScale, Any], tuple[Any, Any]],
-  verdicts: Callable[[LossScale, Any, Any], tuple[jax.Array, jax.Array]],
+  verdicts: Callable[[LossScale, Any, Any], Any],
   finish: Callable[[Found, jax.Array, Any], Any],
   loss_scale: LossScale,
   max_retries: int,
@@ -44,8 +46,8 @@ def retry(
   """Runs `attempt` until its gradients are finite, lowering the scale.
 
   `attempt(loss_scale, operand)` returns `(value, grads)`;
-  `verdicts(loss_scale, value, grads)` returns `(grads_finite, loss_finite)`,
-  agreed across replicas, so that every replica runs the same number of
+  `verdicts(loss_scale, value, grads)` returns what the check found (its
+  `grads_finite` and `loss_finite`, bool scalars), agreed across replicas, so that every replica runs the same number of
   attempts and collectives inside `attempt` cannot deadlock. A retry happens
   when the gradients are not finite, the loss is, fewer than `max_retries`
   retries were made and `loss_scale.lowered()` is lower.
@@ -77,11 +79,14 @@ def retry(
   def body(carry: tuple[Any, ...]) -> tuple[Any, ...]:
     attempts, _, ls, _, operand = carry
     value, grads = run(ls, operand)
-    grads_finite, loss_finite = verdicts(ls, value, grads)
+    checks = verdicts(ls, value, grads)
     again = (
-      loss_finite & ~grads_finite & (attempts < max_retries) & _can_lower(ls)
+      checks.loss_finite
+      & ~checks.grads_finite
+      & (attempts < max_retries)
+      & _can_lower(ls)
     )
-    found = Found(value, grads, ls, grads_finite, loss_finite, attempts)
+    found = Found(value, grads, ls, checks, attempts)
     operand = finish(found, again, operand)
     lowered = optax.tree.where(again, ls.lowered(), ls)
     return attempts + 1, again, lowered, value, operand

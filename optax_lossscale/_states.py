@@ -88,10 +88,10 @@ class SkipRecord:
     loss_finite: whether that loss was finite (bool; True when not given).
     at_floor: whether the scale of the skipped step could not be lowered
       (bool).
-    nonfinite: for each leaf of the parameters, how many of its unscaled
-      gradient values were not finite (int32, in `names()`' order): of the
-      global array under sharded `jit`, the largest over the replicas of
-      `axis_name`.
+    nonfinite: for each leaf of the parameters, whether any of its unscaled
+      gradient values was not finite (bool, in `names()`' order): the
+      finiteness check's own per-leaf verdicts, of the global array under
+      sharded `jit`, agreed over the replicas of `axis_name`.
     leaf_names: the leaves' names, `jax.tree_util.keystr` of their paths in
       the parameters `init` was given (`<root>` for a bare array), as UTF-8
       bytes, each name ended by a newline (uint8); `names()` decodes them.
@@ -106,7 +106,7 @@ class SkipRecord:
     ...   {"w": jnp.array([jnp.nan, 1.0])}, tx.init(params), params
     ... )
     >>> state.last_skip.names(), state.last_skip.nonfinite
-    (("['w']",), Array([1], dtype=int32))
+    (("['w']",), Array([ True], dtype=bool))
   """
 
   loss_scale: jax.Array

@@ -115,11 +115,14 @@ def _unscale_update(
   check_structure(call, updates, params)
   # The check reads the incoming gradients: the unscaling is then fused into
   # the rest of the chain instead of being written out as a separate buffer.
-  grads_finite, loss_finite = verdicts(
+  checks = verdicts(
     call, state.loss_scale, updates, extra_args.get("value"), axis_name
   )
   decision = decide(
-    state.loss_scale, grads_finite, loss_finite, skip_nonfinite=False
+    state.loss_scale,
+    checks.grads_finite,
+    checks.loss_finite,
+    skip_nonfinite=False,
   )
   return state.loss_scale.unscale(updates), UnscaleGradientsState(
     decision.loss_scale, decision.should_apply

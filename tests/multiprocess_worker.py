@@ -112,7 +112,7 @@ with jax.set_mesh(mesh):
   assert jax.typeof(params["w"]).sharding.spec == P("data", None)
   results["scale"] = float(ols.get_loss_scale(state)().addressable_data(0))
   results["skipped"] = int(state.skipped_steps.addressable_data(0))
-  results["nonfinite"] = report.nonfinite
+  results["nonfinite"] = list(report.nonfinite)
   results["unchanged"] = bool(
     np.all(np.asarray(params["w"].addressable_data(0)) == 1.0)
   )

@@ -263,11 +263,17 @@ def test_check_state_checks_the_skip_record_counters():
   for name, value in [
     ("skipped_steps", jnp.int32(-1)),
     ("consecutive_skipped_steps", jnp.int32(-3)),
-    ("nonfinite", jnp.array([0, -2], jnp.int32)),
   ]:
     bad = state._replace(last_skip=dataclasses.replace(record, **{name: value}))
     with pytest.raises(ValueError, match=f"last_skip.{name}` must be non-neg"):
       ols.check_state(bad)
+  # The per-leaf flags are bools: a count (0.2.0's development layout) is
+  # refused by dtype.
+  bad = state._replace(
+    last_skip=dataclasses.replace(record, nonfinite=jnp.array([0, 2]))
+  )
+  with pytest.raises(TypeError, match="last_skip.nonfinite` must be bool"):
+    ols.check_state(bad)
   assert ols.check_state(state._replace(last_skip=None)) is not None
 
 
@@ -352,19 +358,19 @@ def test_check_state_refuses_a_skip_record_field_of_the_wrong_dtype(
     ols.check_state(bad)
 
 
-def test_check_state_refuses_nonfinite_counts_that_do_not_match_the_names():
+def test_check_state_refuses_nonfinite_flags_that_do_not_match_the_names():
   import dataclasses
 
   tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale())
   state = tx.init({"w": jnp.zeros(2), "b": jnp.zeros(1)})
   record = state.last_skip
   bad = state._replace(
-    last_skip=dataclasses.replace(record, nonfinite=jnp.zeros(3, jnp.int32))
+    last_skip=dataclasses.replace(record, nonfinite=jnp.zeros(3, jnp.bool_))
   )
   with pytest.raises(ValueError) as error:
     ols.check_state(bad)
   assert str(error.value) == (
-    "`check_state(tree)`: `tree.last_skip.nonfinite` must hold one count per"
+    "`check_state(tree)`: `tree.last_skip.nonfinite` must hold one flag per"
     " name in `tree.last_skip.leaf_names`, 2, got shape (3,)."
   )
   # 0.1.0's check accepted it; the step then failed inside `update`.
@@ -372,7 +378,7 @@ def test_check_state_refuses_nonfinite_counts_that_do_not_match_the_names():
   ols.check_state(stacked)
   bad = stacked._replace(
     last_skip=dataclasses.replace(
-      stacked.last_skip, nonfinite=jnp.zeros((2,), jnp.int32)
+      stacked.last_skip, nonfinite=jnp.zeros((2,), jnp.bool_)
     )
   )
   with pytest.raises(

@@ -111,21 +111,21 @@ def test_every_shape_is_checked_whole(dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
-def test_skip_record_counts_each_leaf_once_unscaled(dtype):
+def test_skip_record_flags_each_leaf_once_unscaled(dtype):
   # Leaves of different sizes (small ones read together, a large one in
-  # place) each get their own count of non-finite values after unscaling by
-  # a scale below 1, which overflows the largest finite values.
+  # place) each get their own flag after unscaling by a scale below 1, which
+  # overflows the largest finite values.
   largest = float(jnp.finfo(dtype).max)
   sizes = {"a": 3, "b": 700, "c": 5, "d": 70_001, "e": 0}
   grads = {k: jnp.ones((n,), dtype) for k, n in sizes.items()}
   grads["a"] = grads["a"].at[1].set(jnp.nan)
-  grads["b"] = grads["b"].at[::100].set(largest)  # 7 overflow once unscaled
+  grads["b"] = grads["b"].at[::100].set(largest)  # overflows once unscaled
   grads["d"] = grads["d"].at[-1].set(-jnp.inf).at[5].set(jnp.nan)
   tx = ols.LossScaleOptimizer(
     optax.sgd(0.1), ols.DynamicLossScale(0.5, min_loss_scale=0.25)
   )
   params = jax.tree.map(jnp.zeros_like, grads)
   _, state = jax.jit(tx.update)(grads, tx.init(params), params)
-  counts = state.last_skip.nonfinite
-  assert counts.dtype == jnp.int32
-  assert counts.tolist() == [1, 7, 0, 2, 0]
+  flags = state.last_skip.nonfinite
+  assert flags.dtype == jnp.bool_
+  assert flags.tolist() == [True, True, False, True, False]

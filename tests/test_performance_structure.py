@@ -154,9 +154,9 @@ def test_the_check_needs_little_memory_beyond_its_input(dtype):
 
 
 def test_skip_records_add_no_pass_and_no_cond():
-  # The per-leaf counts are computed inside the update's skip branch only:
-  # outside it, the gradients are still reduced exactly once, and there is
-  # still one cond and no host callback.
+  # The record's per-leaf flags are the check's own: the gradients are
+  # still reduced exactly once, and there is still one cond and no host
+  # callback.
   n, shape = 4, (300, 300)
   tx = ols.LossScaleOptimizer(optax.adam(1e-3), ols.DynamicLossScale())
   params = {f"p{i}": jnp.ones(shape) for i in range(n)}

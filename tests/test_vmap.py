@@ -144,7 +144,7 @@ def test_vmap_step_has_no_callback_and_records_only_skipping_members(
   grads["w"] = grads["w"].at[2, 0, 0].set(jnp.inf)
   _, state = jax.jit(jax.vmap(tx.apply_gradients))(grads, state, params)
   reports = [_last_skip(_member(state, i)) for i in range(MEMBERS)]
-  assert reports[2].nonfinite == {"['w']": 1}
+  assert reports[2].nonfinite == ("['w']",)
   assert reports[:2] == [None, None] and reports[3] is None
   assert ols.skip_reports(state) == [reports[2]._replace(member=2)]
 
@@ -166,7 +166,7 @@ def test_skip_monitor_watches_every_member_of_an_ensemble(
   assert caplog.text.count("member 3: skipped step") == 2
   assert caplog.text.count("skipped step") == 2
   assert [r.member for r in ols.skip_reports(state)] == [3]
-  assert _last_skip(_member(state, 3)).nonfinite == {"['w']": 1}
+  assert _last_skip(_member(state, 3)).nonfinite == ("['w']",)
   params, state = step(grads, state, params)
   with pytest.raises(ols.ConsecutiveSkipsError, match=r"\(member 3\): 3") as e:
     monitor(state)
@@ -201,8 +201,8 @@ def test_members_skipping_at_the_same_step_are_logged_apart(
     assert ols.SkipMonitor()(state).member == 0
   line = "skipped step (1 in a row, 1 in all): loss scale 8 -> 8; no loss given"
   assert _lines(caplog) == [
-    f"member 0: {line}; non-finite gradients: ['w'] (1)",
-    f"member 1: {line}; non-finite gradients: ['w'] (1)",
+    f"member 0: {line}; non-finite gradients: ['w']",
+    f"member 1: {line}; non-finite gradients: ['w']",
   ]
   assert [r.member for r in ols.skip_reports(state)] == [0, 1]
 
