@@ -16,7 +16,7 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
-ENVIRONMENT_LINES = ("backend", "device kind", "versions", "date", "command")
+HEADER_LINES = ("command", "backend", "device", "host", "versions", "date")
 PLAIN_MODEL = "plain adam: value_and_grad + apply_updates"
 OURS_MODEL = (
   "LossScaleOptimizer.minimize",
@@ -73,7 +73,7 @@ def _ratio(cell: str) -> float:
 
 
 def _environment(text: str) -> None:
-  for key in ENVIRONMENT_LINES:
+  for key in HEADER_LINES:
     assert re.search(rf"^- {key}: \S", text, re.M), key
 
 
