@@ -155,82 +155,6 @@ def _writer(name: str) -> tuple[str, ...] | None:
   return None
 
 
-def test_every_results_file_names_its_command_machine_and_date():
-  # Fails on files written before `_timing.header()` existed, until they are
-  # regenerated.
-  problems = []
-  for name, text in _results_files().items():
-    writer = _writer(name)
-    if writer is None:
-      problems.append(f"{name}: no script in WRITERS writes it")
-      continue
-    problems += [f"{name}: {p}" for p in _header_problems(text, writer)]
-  assert not problems, "\n".join(problems)
-
-
-@pytest.fixture
-def timing(monkeypatch):
-  monkeypatch.syspath_prepend(str(BENCHMARKS))
-  import _timing
-
-  return _timing
-
-
-def test_header_names_the_command_machine_versions_and_date(timing):
-  before = datetime.datetime.now(datetime.UTC).date()
-  text = timing.header(
-    "python benchmarks/train_step.py --quick",
-    packages=("numpy", "no-such-package"),
-  )
-  after = datetime.datetime.now(datetime.UTC).date()
-  lines = text.splitlines()
-  assert [x.split(":")[0] for x in lines] == [f"- {k}" for k in HEADER_LINES]
-  assert not _header_problems(text, ("benchmarks/train_step.py",))
-  assert lines[0] == "- command: `python benchmarks/train_step.py --quick`"
-  assert lines[1] == f"- backend: {jax.default_backend()}"
-  kind = jax.devices()[0].device_kind
-  assert lines[2] == f"- device: {kind} x {jax.device_count()}"
-  assert re.fullmatch(r"- host: \S+, \d+ cores, \S+", lines[3]), lines[3]
-  versions = lines[4].removeprefix("- versions: ").split(", ")
-  names = [v.split(" ", 1)[0] for v in versions]
-  assert names[:6] == [
-    "jax",
-    "jaxlib",
-    "optax",
-    "optax_lossscale",
-    "numpy",
-    "no-such-package",
-  ]
-  assert versions[0] == f"jax {jax.__version__}"
-  assert versions[4] == f"numpy {np.__version__}"
-  assert versions[5] == "no-such-package not installed"
-  date = lines[5].removeprefix("- date: ")
-  assert date in (before.isoformat(), after.isoformat())
-
-
-def test_header_names_this_process_command_by_default(timing, monkeypatch):
-  script = BENCHMARKS / "step_overhead.py"
-  monkeypatch.setattr(sys, "argv", [str(script), "--sharded"])
-  command = "python benchmarks/step_overhead.py --sharded"
-  assert timing.command_line() == command
-  assert timing.header().splitlines()[0] == f"- command: `{command}`"
-
-
-def test_command_line_reads_the_same_from_any_directory(timing, monkeypatch):
-  monkeypatch.chdir(BENCHMARKS)
-  assert (
-    timing.command_line(["model_step.py", "--note", "a b"])
-    == "python benchmarks/model_step.py --note 'a b'"
-  )
-  script = str(BENCHMARKS / "accelerator.sh")
-  assert (
-    timing.command_line([script, "--quick"])
-    == "benchmarks/accelerator.sh --quick"
-  )
-  outside = "/nonexistent/elsewhere.py"
-  assert timing.command_line([outside]) == f"python {outside}"
-
-
 def test_accelerator_script_quick_mode_writes_one_table(tmp_path):
   out = tmp_path / "accelerator.md"
   # The sweep has a quick mode of its own; here it would only add minutes.
@@ -330,3 +254,79 @@ def test_accelerator_takes_the_sweeps_printed_table(tmp_path, monkeypatch):
   assert rows == [["4 x (10,)", "float32", "0.90x"]]
   missing = accelerator.sweep_section(None, "Not run: no sweep here.")
   assert "Not run: no sweep here." in missing
+
+
+def test_every_results_file_names_its_command_machine_and_date():
+  # Fails on files written before `_timing.header()` existed, until they are
+  # regenerated.
+  problems = []
+  for name, text in _results_files().items():
+    writer = _writer(name)
+    if writer is None:
+      problems.append(f"{name}: no script in WRITERS writes it")
+      continue
+    problems += [f"{name}: {p}" for p in _header_problems(text, writer)]
+  assert not problems, "\n".join(problems)
+
+
+@pytest.fixture
+def timing(monkeypatch):
+  monkeypatch.syspath_prepend(str(BENCHMARKS))
+  import _timing
+
+  return _timing
+
+
+def test_header_names_the_command_machine_versions_and_date(timing):
+  before = datetime.datetime.now(datetime.UTC).date()
+  text = timing.header(
+    "python benchmarks/train_step.py --quick",
+    packages=("numpy", "no-such-package"),
+  )
+  after = datetime.datetime.now(datetime.UTC).date()
+  lines = text.splitlines()
+  assert [x.split(":")[0] for x in lines] == [f"- {k}" for k in HEADER_LINES]
+  assert not _header_problems(text, ("benchmarks/train_step.py",))
+  assert lines[0] == "- command: `python benchmarks/train_step.py --quick`"
+  assert lines[1] == f"- backend: {jax.default_backend()}"
+  kind = jax.devices()[0].device_kind
+  assert lines[2] == f"- device: {kind} x {jax.device_count()}"
+  assert re.fullmatch(r"- host: \S+, \d+ cores, \S+", lines[3]), lines[3]
+  versions = lines[4].removeprefix("- versions: ").split(", ")
+  names = [v.split(" ", 1)[0] for v in versions]
+  assert names[:6] == [
+    "jax",
+    "jaxlib",
+    "optax",
+    "optax_lossscale",
+    "numpy",
+    "no-such-package",
+  ]
+  assert versions[0] == f"jax {jax.__version__}"
+  assert versions[4] == f"numpy {np.__version__}"
+  assert versions[5] == "no-such-package not installed"
+  date = lines[5].removeprefix("- date: ")
+  assert date in (before.isoformat(), after.isoformat())
+
+
+def test_header_names_this_process_command_by_default(timing, monkeypatch):
+  script = BENCHMARKS / "step_overhead.py"
+  monkeypatch.setattr(sys, "argv", [str(script), "--sharded"])
+  command = "python benchmarks/step_overhead.py --sharded"
+  assert timing.command_line() == command
+  assert timing.header().splitlines()[0] == f"- command: `{command}`"
+
+
+def test_command_line_reads_the_same_from_any_directory(timing, monkeypatch):
+  monkeypatch.chdir(BENCHMARKS)
+  assert (
+    timing.command_line(["model_step.py", "--note", "a b"])
+    == "python benchmarks/model_step.py --note 'a b'"
+  )
+  script = str(BENCHMARKS / "accelerator.sh")
+  assert (
+    timing.command_line([script, "--quick"])
+    == "benchmarks/accelerator.sh --quick"
+  )
+  outside = "/nonexistent/elsewhere.py"
+  assert timing.command_line([outside]) == f"python {outside}"
