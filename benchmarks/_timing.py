@@ -121,7 +121,7 @@ def _version(package: str) -> str:
 def environment(
   command: str | None = None, packages: Sequence[str] = ()
 ) -> dict[str, str]:
-  """What a figure was measured on, by whom and when.
+  """What a figure was measured on, by which command and when.
 
   Args:
     command: the command that produced the figures (default
