@@ -3,22 +3,27 @@
 Every script measures its configurations in turns in one process and reports
 ratios; these are the pieces they share: a timed first compile of a donated
 step, its temporary memory, timed steps whose outputs are fed back, and the
-description of the machine that goes beside every figure.
+header every results file has under its title: the command that wrote it,
+the machine, the versions and the date.
 """
 
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 import math
 import os
+import pathlib
 import platform
+import shlex
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jaxlib
-import optax
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def compile_step(
@@ -79,22 +84,94 @@ def step_times(
   return times, carry
 
 
-def environment() -> dict[str, str]:
-  """What a figure was measured on: backend, device, versions, date."""
+def command_line(argv: Sequence[str] | None = None) -> str:
+  """The command that started this process, as a user would type it again.
+
+  Args:
+    argv: the arguments, script first (default `sys.argv`). A script inside
+      the repository is named by its path from the repository's root, so the
+      command reads the same from whichever directory it ran; a `.py` script
+      is preceded by `python`.
+
+  Returns:
+    The command, its arguments quoted for a POSIX shell where they need it.
+
+  Examples:
+    >>> command_line(["benchmarks/step_overhead.py", "--sharded"])
+    'python benchmarks/step_overhead.py --sharded'
+  """
+  args = list(sys.argv if argv is None else argv)
+  if not args or not args[0]:
+    return "python"
+  script = pathlib.Path(args[0]).resolve()
+  if script.is_file() and script.is_relative_to(ROOT):
+    args[0] = script.relative_to(ROOT).as_posix()
+  # `python -c ...` leaves "-c" where the script would be.
+  prefix = ["python"] if args[0].endswith(".py") or args[0] == "-c" else []
+  return shlex.join([*prefix, *args])
+
+
+def _version(package: str) -> str:
+  try:
+    return importlib.metadata.version(package)
+  except importlib.metadata.PackageNotFoundError:
+    return "not installed"
+
+
+def environment(
+  command: str | None = None, packages: Sequence[str] = ()
+) -> dict[str, str]:
+  """What a figure was measured on, by which command and when.
+
+  Args:
+    command: the command that produced the figures (default
+      `command_line()`).
+    packages: distributions to name beside jax, jaxlib, optax and
+      optax_lossscale (as `pip` names them, e.g. `"dm-haiku"`).
+
+  Returns:
+    The command, backend, device (its kind and how many), host, versions
+    and date (UTC), by those names, in that order.
+  """
   device = jax.devices()[0]
+  names = ("jax", "jaxlib", "optax", "optax_lossscale", *packages)
+  versions = [f"{name} {_version(name)}" for name in names]
+  versions.append(f"python {platform.python_version()}")
   return {
+    "command": f"`{command_line() if command is None else command}`",
     "backend": jax.default_backend(),
-    "device kind": f"{device.device_kind} x {jax.device_count()}",
+    "device": f"{device.device_kind} x {jax.device_count()}",
     "host": (
-      f"{platform.processor() or platform.machine()},"
-      f" {os.cpu_count()} CPU cores, python {platform.python_version()}"
+      f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}"
     ),
-    "versions": (
-      f"jax {jax.__version__}, jaxlib {jaxlib.__version__},"
-      f" optax {optax.__version__}"
-    ),
-    "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+    "versions": ", ".join(versions),
+    "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
   }
+
+
+def header(command: str | None = None, packages: Sequence[str] = ()) -> str:
+  """The lines every results file has under its title: `environment()`.
+
+  Args:
+    command: the command that produced the file (default `command_line()`).
+    packages: distributions to name beside jax, jaxlib, optax and
+      optax_lossscale (as `pip` names them, e.g. `"dm-haiku"`).
+
+  Returns:
+    A markdown list, one `- key: value` line each for the command, backend,
+    device, host, versions and date, without a final newline.
+
+  Examples:
+    >>> print(header("python benchmarks/train_step.py"))  # doctest: +SKIP
+    - command: `python benchmarks/train_step.py`
+    - backend: cpu
+    - device: cpu x 1
+    - host: x86_64, 2 cores, Linux
+    - versions: jax 0.10.2, jaxlib 0.10.2, optax 0.2.8, ...
+    - date: 2026-12-03
+  """
+  env = environment(command, packages)
+  return "\n".join(f"- {key}: {value}" for key, value in env.items())
 
 
 def ratio(a: float, b: float) -> str:

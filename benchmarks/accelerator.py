@@ -20,9 +20,9 @@ Measures, in one process, configurations in turns, ratios only:
   plain adam.
 
 Writes a markdown file (default benchmarks/ACCELERATOR_<backend>.md) with
-the backend, device kind, versions, date and command, the sweep's table (from
-`--sweep`, the output of `benchmarks/finite_sweep.py --quick`), and one table
-of the rest. `--quick` is a smoke run on small trees and a one-block model:
+`_timing.header()` under its title (the command, backend, device, host,
+versions and date), the sweep's table (from `--sweep`, the output of
+`benchmarks/finite_sweep.py --quick`), and one table of the rest. `--quick` is a smoke run on small trees and a one-block model:
 its figures mean nothing.
 """
 
@@ -210,12 +210,11 @@ def _cell(x: float) -> str:
 
 
 def markdown(rows, sweep_lines, command: str, seconds: float) -> str:
-  env = _timing.environment()
+  device = jax.devices()[0].device_kind
   lines = [
-    f"# Loss scaling on {env['backend']} ({env['device kind']})",
+    f"# Loss scaling on {jax.default_backend()} ({device})",
     "",
-    *(f"- {key}: {value}" for key, value in env.items()),
-    f"- command: `{command}`",
+    _timing.header(command),
     f"- ran in {seconds:.0f} s",
     "",
     "Ratios measured in one process, configurations in turns; each ratio is"
@@ -252,7 +251,9 @@ def parse_args() -> argparse.Namespace:
     "--sweep-note", default="", help="why there is no sweep output"
   )
   parser.add_argument(
-    "--command", default=None, help="the command to show in the table"
+    "--command",
+    default=None,
+    help="the command to name in the file (default: this one)",
   )
   parser.add_argument(
     "--seconds-before",
@@ -272,9 +273,7 @@ def main() -> None:
   rounds, steps = (1, 2) if args.quick else (3, 5)
   rows = trees(QUICK_TREES if args.quick else TREES, rounds, steps)
   rows += model_rows(args.quick, rounds, steps)
-  command = args.command or (
-    "python benchmarks/accelerator.py" + (" --quick" if args.quick else "")
-  )
+  command = args.command or _timing.command_line()
   seconds = args.seconds_before + time.perf_counter() - t0
   sweep_lines = sweep_section(args.sweep, args.sweep_note)
   pathlib.Path(out).write_text(markdown(rows, sweep_lines, command, seconds))

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
+import _timing
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -209,11 +209,7 @@ def main() -> None:
   parser.add_argument("--compiles", type=int, default=3)
   parser.add_argument("--out", default=os.path.dirname(__file__))
   args = parser.parse_args()
-  machine = (
-    f"jax {jax.__version__}, {jax.devices()[0].platform}"
-    f" ({platform.machine()}, {os.cpu_count()} cores)"
-  )
-  print(machine)
+  print(_timing.header(), flush=True)
   if args.compile:
     print("| workload | plain adam (s) | fused | fused, no record | record |")
     compile_ratios(args.compiles)
@@ -225,8 +221,8 @@ def main() -> None:
   with open(os.path.join(args.out, "FINITE_SWEEP.md"), "w") as f:
     f.write(
       "# The finiteness check against the one-liner\n\n"
-      f"`python benchmarks/finite_sweep.py`; {machine}. Ratios of the jitted"
-      " check's time to the one-liner's"
+      f"{_timing.header()}\n\n"
+      "Ratios of the jitted check's time to the one-liner's"
       " (`jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))`),"
       f" best of {REPEATS} calls, the minimum of {ROUNDS} rounds, in turns"
       " in one process. `grads_finite` is `DynamicLossScale().grads_finite`,"

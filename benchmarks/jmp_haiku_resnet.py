@@ -21,14 +21,13 @@ benchmarks/JMP_HAIKU.md. Needs jmp and dm-haiku.
 from __future__ import annotations
 
 import argparse
-import os
 import pathlib
-import platform
 import statistics
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import _timing
 import haiku as hk
 import jax
 import jax.numpy as jnp
@@ -39,6 +38,7 @@ import optax
 from optax_lossscale import jmp as ols_jmp
 
 OUT = pathlib.Path(__file__).with_name("JMP_HAIKU.md")
+PACKAGES = ("jmp", "dm-haiku")  # named in the header beside jax and optax
 JMP = "jmp"
 OURS = "optax_lossscale.jmp"
 MODULES = {JMP: deepmind_jmp, OURS: ols_jmp}
@@ -161,23 +161,13 @@ def main() -> None:
   parser.add_argument("--quick", action="store_true", help="fewer steps")
   parser.add_argument("--batch", type=int, default=8)
   args = parser.parse_args()
-  header = (
-    f"jax {jax.__version__}, optax {optax.__version__}, jmp"
-    f" {deepmind_jmp.__version__}, dm-haiku {hk.__version__},"
-    f" {jax.devices()[0].platform} ({platform.machine()},"
-    f" {os.cpu_count()} CPU cores, {jax.local_device_count()} device(s)),"
-    f" python {platform.python_version()}"
-  )
-  print(header)
+  print(_timing.header(packages=PACKAGES), flush=True)
   repeats, rounds, steps = (2, 3, 5) if args.quick else (3, 5, 10)
   runs = run(args.batch, repeats, rounds, steps)
-  write(header, args, runs, rounds, steps)
+  write(args, runs, rounds, steps)
 
 
-def write(header: str, args: Any, runs: Any, rounds: int, steps: int) -> None:
-  command = "python benchmarks/jmp_haiku_resnet.py" + (
-    " --quick" if args.quick else ""
-  )
+def write(args: Any, runs: Any, rounds: int, steps: int) -> None:
   jmp_run, ours = runs[JMP], runs[OURS]
   median = statistics.median
   compile_ratio = median(ours["compiles"]) / median(jmp_run["compiles"])
@@ -185,9 +175,7 @@ def write(header: str, args: Any, runs: Any, rounds: int, steps: int) -> None:
   lines = [
     "# jmp against optax_lossscale.jmp: a Haiku ResNet step",
     "",
-    header,
-    "",
-    f"Reproduce: `{command}`",
+    _timing.header(packages=PACKAGES),
     "",
     "Haiku's ImageNet example step on a ResNet-18 (BatchNorm, 10 classes,"
     f" {args.batch} images of 32x32x3), float16 compute with float32"

@@ -24,9 +24,7 @@ extra).
 from __future__ import annotations
 
 import argparse
-import os
 import pathlib
-import platform
 import resource
 import statistics
 import time
@@ -34,6 +32,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
+import _timing
 import jax
 import jax.numpy as jnp
 import jmp as deepmind_jmp
@@ -43,6 +42,7 @@ import optax
 from optax_lossscale import jmp as ols_jmp
 
 OUT = pathlib.Path(__file__).with_name("JMP.md")
+PACKAGES = ("jmp",)  # named in the header beside jax and optax
 SCALE = 2.0**10
 JMP = "jmp"
 OURS = "optax_lossscale.jmp"
@@ -225,14 +225,7 @@ def main() -> None:
   parser.add_argument("--width", type=int, default=128)
   args = parser.parse_args()
   repeats = 2 if args.quick else 3
-  header = (
-    f"jax {jax.__version__}, optax {optax.__version__}, jmp"
-    f" {deepmind_jmp.__version__}, {jax.devices()[0].platform}"
-    f" ({platform.machine()}, {os.cpu_count()} CPU cores,"
-    f" {jax.local_device_count()} device(s)), python"
-    f" {platform.python_version()}"
-  )
-  print(header)
+  print(_timing.header(packages=PACKAGES), flush=True)
   compiles = {
     n: select_tree_compiles(n, repeats, repeats if n <= 100 else 1)
     for n in args.leaves
@@ -240,27 +233,22 @@ def main() -> None:
   runs = whole_step(
     args.depth, args.width, repeats + 2, 20 if args.quick else 50
   )
-  write(header, args, compiles, runs)
+  write(args, compiles, runs)
 
 
 def _median(xs: list[float]) -> float:
   return statistics.median(xs)
 
 
-def write(header: str, args: Any, compiles: Any, runs: Any) -> None:
-  command = "python benchmarks/jmp_select_tree.py" + (
-    " --quick" if args.quick else ""
-  )
+def write(args: Any, compiles: Any, runs: Any) -> None:
   lines = [
     "# jmp against optax_lossscale.jmp",
     "",
-    header,
-    "",
-    f"Reproduce: `{command}`",
+    _timing.header(packages=PACKAGES),
     "",
     "What these figures are: compile and step times of jmp's own update"
-    " pattern, written once and run with each module, on one XLA:CPU"
-    " machine (above). The ratios are for the steps described here, whose"
+    " pattern, written once and run with each module, on the machine named"
+    " above. The ratios are for the steps described here, whose"
     " cost is dominated by jmp's per-leaf work; they are not a model's. In a"
     " step whose own forward and backward pass dominate, the difference is"
     " far smaller: see `benchmarks/JMP_HAIKU.md` (a Haiku ResNet-18 step,"

@@ -196,7 +196,6 @@ def markdown(
   rows: list[dict[str, Any]], model: _model.Transformer, cmd: str, note: str
 ) -> str:
   """The table: ratios to plain adam, the bounds, and where it ran."""
-  env = _timing.environment()
   plain = rows[0]
   bounds = " / ".join(f"{b:.2f}x" for b in BOUNDS.values())
   lines = [
@@ -204,8 +203,7 @@ def markdown(
     "",
     # docs/performance.md includes what lies between the markers.
     "<!-- --8<-- [start:table] -->",
-    *(f"- {key}: {value}" for key, value in env.items()),
-    f"- command: `{cmd}`",
+    _timing.header(cmd),
     f"- model: {describe(model)}; float16 compute, float32 master weights",
     "",
     *([note, ""] if note else []),

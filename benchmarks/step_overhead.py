@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import platform
 import re
 import sys
 import time
@@ -340,12 +339,7 @@ def main() -> None:
     failure_modes(args.out, 10 if args.quick else 30, 1 if args.quick else 5)
     return
   repeats = 10 if args.quick else 30
-  header = (
-    f"jax {jax.__version__}, optax {optax.__version__}, "
-    f"{jax.devices()[0].platform} ({platform.processor() or platform.machine()},"
-    f" {jax.local_device_count()} device(s)), python {platform.python_version()}"
-  )
-  print(header)
+  print(_timing.header(), flush=True)
   rows = []
   failures: list[tuple[str, str, str, str]] = []
 
@@ -436,7 +430,7 @@ def main() -> None:
     )
 
   with open(f"{args.out}/RESULTS.md", "w") as f:
-    f.write(f"# step_overhead results\n\n{header}\n\n")
+    f.write(f"# step_overhead results\n\n{_timing.header()}\n\n")
     f.write(
       "| workload | grads | configuration | step (ms) | vs adam | "
       "compile (s) | vs adam | temp (MiB) | lax.scan loop (s) |\n"
@@ -483,7 +477,11 @@ def main() -> None:
     ax.set_title(title)
   ax2.set_yscale("log")
   ax1.legend(fontsize=7)
-  fig.suptitle(header, fontsize=7)
+  env = _timing.environment()
+  fig.suptitle(
+    f"{env['versions']}; {env['backend']}, {env['device']}; {env['host']}",
+    fontsize=7,
+  )
   fig.tight_layout()
   fig.savefig(f"{args.out}/step_overhead.png", dpi=80)
 
@@ -564,10 +562,10 @@ def failure_modes(out: str, repeats: int, compiles: int) -> None:
   with open(f"{out}/FAILURE_MODES.md", "w") as f:
     f.write(
       "# Failure-mode options against the step before skip records\n\n"
-      "`python benchmarks/step_overhead.py --failure-modes`; jax"
-      f" {jax.__version__}, {jax.devices()[0].platform}. Ratios to the"
-      " `LossScaleOptimizer.apply_gradients` step on a state without a skip"
-      " record (the step as it was before records), in one process."
+      f"{_timing.header()}\n\n"
+      "Ratios to the `LossScaleOptimizer.apply_gradients` step on a state"
+      " without a skip record (the step as it was before records), in one"
+      " process."
       " Step per call: the jitted step called from Python. Step in a scan:"
       " one step of a compiled `lax.scan` loop of many. Compile: the median"
       f" of {compiles} first compiles.\n\n"
@@ -640,10 +638,9 @@ def sharded(out: str, repeats: int, compiles: int) -> None:
   with open(f"{out}/SHARDED.md", "w") as f:
     f.write(
       "# FSDP-sharded steps on 8 host devices\n\n"
-      "`python benchmarks/step_overhead.py --sharded`; jax"
-      f" {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform}"
-      " devices of one machine (they share its cores). Every parameter,"
-      ' gradient and moment sharded `P("d", None)` over a `jax.make_mesh`'
+      f"{_timing.header()}\n\n"
+      "The devices share one machine's cores. Every parameter, gradient"
+      ' and moment sharded `P("d", None)` over a `jax.make_mesh`'
       " mesh (Explicit axes); ratios to plain adam sharded the same way, in"
       " one process, configurations timed in turns. Compile: the median of"
       f" {compiles} first compiles.\n\n"

@@ -26,7 +26,6 @@ import _timing
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 import optax_lossscale as ols
 
@@ -170,15 +169,13 @@ def time_retry(run: dict[str, Any], batch: Any, guess: float, args) -> float:
   return statistics.median(retry) / statistics.median(normal)
 
 
-def markdown(runs: dict[str, dict[str, Any]], retry: float, cmd: str) -> str:
+def markdown(runs: dict[str, dict[str, Any]], retry: float) -> str:
   """The ratios against the reference configuration and plain Adam."""
   ref, plain = runs[REFERENCE], runs[PLAIN]
   lines = [
     "# train_step results",
     "",
-    f"jax {jax.__version__}, optax {optax.__version__}, {jax.default_backend()}",
-    "",
-    f"Reproduce: `{cmd}`",
+    _timing.header(),
     "",
     f"Ratios against `{REFERENCE}` (ref) and `{PLAIN}` (adam). Compile:"
     " the median of several first compiles for all but the peers (jmp, flax),"
@@ -256,8 +253,7 @@ def main() -> None:
   retry = time_retry(runs[RETRY_CONFIG], batch, over, args)
   print_runs(runs)
   print(f"retry step vs normal step: {retry:.2f}x")
-  cmd = "python benchmarks/train_step.py" + (" --quick" if args.quick else "")
-  OUT.write_text(markdown(runs, retry, cmd))
+  OUT.write_text(markdown(runs, retry))
   print(f"wrote {OUT}")
 
 

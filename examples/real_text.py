@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import functools
+import importlib.util
 import math
 import os
 import pathlib
@@ -35,6 +35,7 @@ import sysconfig
 import tempfile
 import textwrap
 import time
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +49,9 @@ from optax_lossscale import jmp
 
 VOCAB = 256  # bytes
 BEGIN, END = "<!-- real_text:begin -->", "<!-- real_text:end -->"
+# Named in the page's header beside jax and optax: the flax pattern (run 6)
+# and the resume use them.
+PACKAGES = ("flax", "orbax-checkpoint")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -663,11 +667,12 @@ def report(
   ours = next(r for r in rows if r["index"] == OURS)
   n_params = corpus["params"]
   lines = [
-    f"Command: `{command}`; machine: {corpus['machine']}; date:"
-    f" {datetime.date.today().isoformat()}; {seconds[0] / 60:.1f} minutes"
-    f" in all, {seconds[1] / 60:.1f} minutes of CPU time (what a quiet"
-    f" machine with {os.cpu_count()} cores needs, divided by at most"
-    f" {os.cpu_count()}).",
+    _timing().header(command, packages=PACKAGES),
+    "",
+    f"{seconds[0] / 60:.1f} minutes in all, {seconds[1] / 60:.1f} minutes of"
+    f" CPU time (what a quiet machine with {os.cpu_count()} cores needs,"
+    f" divided by at most {os.cpu_count()}); load average"
+    f" {corpus['load']:.1f} at the end.",
     "",
     f"Data: {corpus['files']} files of this Python's standard library"
     f" (Python {platform.python_version()}), {corpus['train']:,} bytes to"
@@ -826,6 +831,20 @@ def plot(
   fig.savefig(path, dpi=72)
 
 
+@functools.cache
+def _timing() -> types.ModuleType:
+  """`benchmarks/_timing.py`, whose header every results file carries.
+
+  Returns:
+    The module, loaded from its file: it is not part of the package.
+  """
+  path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
+  spec = importlib.util.spec_from_file_location("_timing", path / "_timing.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
 def write_page(page: pathlib.Path, text: str) -> None:
   """Replaces what lies between the page's marker comments with `text`."""
   old = page.read_text()
@@ -850,10 +869,7 @@ def run_all(
     "train": len(train),
     "held_out": len(held),
     "params": sum(x.size for x in jax.tree.leaves(runs[0].params)),
-    "machine": f"{os.cpu_count()}-core {platform.machine()}"
-    f" {jax.devices()[0].device_kind.upper()}, XLA:"
-    f"{jax.default_backend().upper()}, load average"
-    f" {os.getloadavg()[0]:.1f} at the end",
+    "load": os.getloadavg()[0],
   }
   if fail_cfg is not None:
     fail_batches = jnp.asarray(train_batches(train, fail_cfg))
@@ -885,7 +901,7 @@ def main(argv: list[str] | None = None) -> None:
   start, cpu = time.perf_counter(), time.process_time()
   result = run_all(cfg, fail_cfg)
   seconds = (time.perf_counter() - start, time.process_time() - cpu)
-  command = "python examples/real_text.py" + (" --quick" if args.quick else "")
+  command = _timing().command_line(None if argv is None else [__file__, *argv])
   text = report(
     cfg,
     fail_cfg,

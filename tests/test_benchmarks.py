@@ -1,12 +1,14 @@
 """The benchmark scripts' quick modes run and write well-formed tables.
 
-Structure only: the rows and columns each table must have, and ratios that
-are finite positive numbers. Never a time: the figures of a quick run mean
+Structure only: the rows and columns each table must have, ratios that are
+finite positive numbers, and the header that names the command, machine and
+date of every results file. Never a time: the figures of a quick run mean
 nothing.
 """
 
 from __future__ import annotations
 
+import datetime
 import math
 import os
 import pathlib
@@ -14,9 +16,30 @@ import re
 import subprocess
 import sys
 
+import jax
+import numpy as np
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
-ENVIRONMENT_LINES = ("backend", "device kind", "versions", "date", "command")
+HEADER_LINES = ("command", "backend", "device", "host", "versions", "date")
+REAL_TEXT = ROOT / "docs" / "real_text.md"
+REAL_TEXT_MARKERS = ("<!-- real_text:begin -->", "<!-- real_text:end -->")
+# What the command in each committed results file must contain: the script
+# that writes it, and the option that makes it write that file.
+WRITERS = {
+  "RESULTS.md": ("benchmarks/step_overhead.py",),
+  "FAILURE_MODES.md": ("benchmarks/step_overhead.py", "--failure-modes"),
+  "SHARDED.md": ("benchmarks/step_overhead.py", "--sharded"),
+  "TRAIN_STEP.md": ("benchmarks/train_step.py",),
+  "FINITE_SWEEP.md": ("benchmarks/finite_sweep.py",),
+  "JMP.md": ("benchmarks/jmp_select_tree.py",),
+  "JMP_HAIKU.md": ("benchmarks/jmp_haiku_resnet.py",),
+  "MODEL_STEP.md": ("benchmarks/model_step.py",),
+  # accelerator.sh, or accelerator.py run by hand.
+  "ACCELERATOR_*.md": ("benchmarks/accelerator.",),
+  "docs/real_text.md": ("examples/real_text.py",),
+}
 PLAIN_MODEL = "plain adam: value_and_grad + apply_updates"
 OURS_MODEL = (
   "LossScaleOptimizer.minimize",
@@ -72,9 +95,64 @@ def _ratio(cell: str) -> float:
   return value
 
 
-def _environment(text: str) -> None:
-  for key in ENVIRONMENT_LINES:
-    assert re.search(rf"^- {key}: \S", text, re.M), key
+def _header_problems(text: str, writer: tuple[str, ...]) -> list[str]:
+  """What is wrong with the header `_timing.header()` writes, if anything.
+
+  Args:
+    text: a results file.
+    writer: what its command must contain (a `WRITERS` value).
+
+  Returns:
+    One message per problem: a missing line, lines out of their order or
+    apart, a command that does not name `writer`, a date not `YYYY-MM-DD`.
+  """
+  lines = text.splitlines()
+  found = {
+    key: [i for i, x in enumerate(lines) if re.match(rf"- {key}: \S", x)]
+    for key in HEADER_LINES
+  }
+  problems = [f"no '- {key}:' line" for key, at in found.items() if not at]
+  problems += [
+    f"{len(at)} '- {key}:' lines (one description per file)"
+    for key, at in found.items()
+    if len(at) > 1
+  ]
+  if problems:
+    return problems
+  start = found["command"][0]
+  if [found[key][0] for key in HEADER_LINES] != list(
+    range(start, start + len(HEADER_LINES))
+  ):
+    problems.append(f"the lines are not together, in the order {HEADER_LINES}")
+  command = re.fullmatch(r"- command: `([^`]+)`", lines[start])
+  if not command or not all(part in command.group(1) for part in writer):
+    problems.append(f"{lines[start]!r} does not name {' '.join(writer)}")
+  date = lines[found["date"][0]]
+  if not re.fullmatch(r"- date: \d{4}-\d\d-\d\d", date):
+    problems.append(f"{date!r} is not a YYYY-MM-DD date")
+  return problems
+
+
+def _environment(text: str, *writer: str) -> None:
+  problems = _header_problems(text, writer)
+  assert not problems, problems
+
+
+def _results_files() -> dict[str, str]:
+  """Every committed results file (the generated block of a docs page)."""
+  files = {p.name: p.read_text() for p in sorted(BENCHMARKS.glob("*.md"))}
+  begin, end = REAL_TEXT_MARKERS
+  page = REAL_TEXT.read_text()
+  assert page.count(begin) == 1 and page.count(end) == 1, REAL_TEXT
+  files["docs/real_text.md"] = page.split(begin)[1].split(end)[0]
+  return files
+
+
+def _writer(name: str) -> tuple[str, ...] | None:
+  for pattern, writer in WRITERS.items():
+    if pathlib.PurePosixPath(name).match(pattern):
+      return writer
+  return None
 
 
 def test_accelerator_script_quick_mode_writes_one_table(tmp_path):
@@ -83,7 +161,7 @@ def test_accelerator_script_quick_mode_writes_one_table(tmp_path):
   script = str(BENCHMARKS / "accelerator.sh")
   _run("bash", script, str(out), "--quick", "--no-sweep")
   text = out.read_text()
-  _environment(text)
+  _environment(text, "benchmarks/accelerator.sh", "--quick", "--no-sweep")
   assert "- backend: cpu" in text
   sweep = text.split("## Finiteness-check sweep")[1].split("## Steps")[0]
   assert "Not run (`--no-sweep`)." in sweep
@@ -136,7 +214,7 @@ def test_model_step_quick_mode_checks_the_bounds(tmp_path):
     str(out),
   )
   text = out.read_text()
-  _environment(text)
+  _environment(text, "python benchmarks/model_step.py --quick")
   assert "149 leaves" not in text  # the quick model is smaller
   header, rows = _table(text, "| configuration |")
   assert header == [
@@ -176,3 +254,79 @@ def test_accelerator_takes_the_sweeps_printed_table(tmp_path, monkeypatch):
   assert rows == [["4 x (10,)", "float32", "0.90x"]]
   missing = accelerator.sweep_section(None, "Not run: no sweep here.")
   assert "Not run: no sweep here." in missing
+
+
+def test_every_results_file_names_its_command_machine_and_date():
+  # Fails on files written before `_timing.header()` existed, until they are
+  # regenerated.
+  problems = []
+  for name, text in _results_files().items():
+    writer = _writer(name)
+    if writer is None:
+      problems.append(f"{name}: no script in WRITERS writes it")
+      continue
+    problems += [f"{name}: {p}" for p in _header_problems(text, writer)]
+  assert not problems, "\n".join(problems)
+
+
+@pytest.fixture
+def timing(monkeypatch):
+  monkeypatch.syspath_prepend(str(BENCHMARKS))
+  import _timing
+
+  return _timing
+
+
+def test_header_names_the_command_machine_versions_and_date(timing):
+  before = datetime.datetime.now(datetime.UTC).date()
+  text = timing.header(
+    "python benchmarks/train_step.py --quick",
+    packages=("numpy", "no-such-package"),
+  )
+  after = datetime.datetime.now(datetime.UTC).date()
+  lines = text.splitlines()
+  assert [x.split(":")[0] for x in lines] == [f"- {k}" for k in HEADER_LINES]
+  assert not _header_problems(text, ("benchmarks/train_step.py",))
+  assert lines[0] == "- command: `python benchmarks/train_step.py --quick`"
+  assert lines[1] == f"- backend: {jax.default_backend()}"
+  kind = jax.devices()[0].device_kind
+  assert lines[2] == f"- device: {kind} x {jax.device_count()}"
+  assert re.fullmatch(r"- host: \S+, \d+ cores, \S+", lines[3]), lines[3]
+  versions = lines[4].removeprefix("- versions: ").split(", ")
+  names = [v.split(" ", 1)[0] for v in versions]
+  assert names[:6] == [
+    "jax",
+    "jaxlib",
+    "optax",
+    "optax_lossscale",
+    "numpy",
+    "no-such-package",
+  ]
+  assert versions[0] == f"jax {jax.__version__}"
+  assert versions[4] == f"numpy {np.__version__}"
+  assert versions[5] == "no-such-package not installed"
+  date = lines[5].removeprefix("- date: ")
+  assert date in (before.isoformat(), after.isoformat())
+
+
+def test_header_names_this_process_command_by_default(timing, monkeypatch):
+  script = BENCHMARKS / "step_overhead.py"
+  monkeypatch.setattr(sys, "argv", [str(script), "--sharded"])
+  command = "python benchmarks/step_overhead.py --sharded"
+  assert timing.command_line() == command
+  assert timing.header().splitlines()[0] == f"- command: `{command}`"
+
+
+def test_command_line_reads_the_same_from_any_directory(timing, monkeypatch):
+  monkeypatch.chdir(BENCHMARKS)
+  assert (
+    timing.command_line(["model_step.py", "--note", "a b"])
+    == "python benchmarks/model_step.py --note 'a b'"
+  )
+  script = str(BENCHMARKS / "accelerator.sh")
+  assert (
+    timing.command_line([script, "--quick"])
+    == "benchmarks/accelerator.sh --quick"
+  )
+  outside = "/nonexistent/elsewhere.py"
+  assert timing.command_line([outside]) == f"python {outside}"
