@@ -775,9 +775,10 @@ class LossScaleOptimizer:
     """Per gradient leaf, whether it had a non-finite unscaled value.
 
     From the check's flags; where a loss scale's own `grads_finite` decided,
-    from the unscaled gradients, read again on this skipped step. A state
-    whose parameters had no leaf (`init(None)`) has no slot: its records
-    name no leaf.
+    from the unscaled gradients, read again on this skipped step, a leaf at
+    a time (no array constant: a `vmap`ped `cond` over a sharded member axis
+    refuses them). A state whose parameters had no leaf (`init(None)`) has
+    no slot: its records name no leaf.
     """
     if slots == 0:
       return jnp.zeros((0,), jnp.bool_)
@@ -789,7 +790,8 @@ class LossScaleOptimizer:
       )
     if flags is None:
       unscaled = jax.tree.leaves(loss_scale.unscale(grads))
-      flags = _numerics.agree(_numerics.finite_flags(unscaled), self.axis_name)
+      flags = jnp.stack([_numerics.all_finite(x) for x in unscaled])
+      flags = _numerics.agree(flags, self.axis_name)
     return ~flags
 
   def _record(

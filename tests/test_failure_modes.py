@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -584,3 +586,31 @@ def test_the_stop_rule_s_advice_for_a_nonfinite_loss_is_not_the_scale():
   message = str(error.value)
   assert "non-finite loss, which no loss scale fixes" in message
   assert "lower min_loss_scale" not in message
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, eq=False)
+class _OwnVerdict(ols.DynamicLossScale):
+  """A loss scale whose `grads_finite` is its own: it sees only one leaf."""
+
+  def grads_finite(self, scaled_grads, *, axis_name=None):
+    return ols.all_finite(scaled_grads["w"], axis_name=axis_name)
+
+
+def test_a_loss_scale_s_own_grads_finite_decides_and_the_record_names_leaves():
+  tx = ols.LossScaleOptimizer(optax.sgd(0.1), _OwnVerdict(8.0))
+  params = {"b": jnp.ones(3), "n": jnp.arange(2), "w": jnp.ones((40, 50))}
+  state = tx.init(params)
+  grads = {"b": jnp.array([1.0, jnp.nan, 1.0]), "n": jnp.zeros(2, jnp.int32)}
+  # Its verdict ignores `b`: the step applies, and nothing is recorded.
+  ok = {**grads, "w": jnp.ones((40, 50))}
+  new_params, new_state = jax.jit(tx.apply_gradients)(ok, state, params)
+  assert bool(new_state.should_apply) and _last_skip(new_state) is None
+  # A NaN it sees skips; the record names every non-finite leaf.
+  bad = {**grads, "w": jnp.ones((40, 50)).at[3, 4].set(jnp.inf)}
+  step = jax.jit(jax.vmap(tx.apply_gradients, in_axes=(0, None, None)))
+  stacked = jax.tree.map(lambda x, y: jnp.stack([x, y]), ok, bad)
+  _, states = step(stacked, state, params)
+  assert np.asarray(states.should_apply).tolist() == [True, False]
+  reports = ols.skip_reports(states)
+  assert [(r.member, r.nonfinite) for r in reports] == [(1, ("['b']", "['w']"))]
