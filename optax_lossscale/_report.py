@@ -91,7 +91,18 @@ def _log_skip(report: SkipReport) -> None:
 
 
 class ConsecutiveSkipsError(RuntimeError):
-  """Raised by `SkipMonitor` when `max_consecutive_skips` is reached."""
+  """Raised by `SkipMonitor` when `max_consecutive_skips` is reached.
+
+  Its message says what happened and the likely fix.
+
+  Attributes:
+    report: the `SkipReport` of the last skipped step of the member with the
+      longest streak (None when the state holds no record of it).
+  """
+
+  def __init__(self, message: str, report: SkipReport | None = None) -> None:
+    super().__init__(message)
+    self.report = report
 
 
 ConsecutiveSkipsError.__module__ = "optax_lossscale"
@@ -227,12 +238,13 @@ def _stop_message(members: _Members, m: int, limit: int) -> str:
   return (
     f"LossScaleOptimizer{member}: {members.consecutive[m]} consecutive steps"
     f" skipped (max_consecutive_skips={limit}); training has stopped making"
-    f" progress. {what} Likely fix: {_likely_fix(report)}"
+    f" progress. {what} Likely fix: {_likely_fix(report, members, m)}"
   )
 
 
-def _likely_fix(report: SkipReport | None) -> str:
-  """The advice for the last skipped step: a failed forward pass or not."""
+def _likely_fix(report: SkipReport | None, members: _Members, m: int) -> str:
+  """The advice for the last skipped step: a failed forward pass, a scale
+  at its floor, or one still falling."""
   if report is not None and report.loss_finite is False:
     return (
       "the forward pass produced a non-finite loss, which no loss scale"
@@ -240,6 +252,13 @@ def _likely_fix(report: SkipReport | None) -> str:
       " rate (a diverging run), and operations computed in float16 that"
       " overflow (softmax, LayerNorm statistics, the loss: compute them in"
       " float32)."
+    )
+  if report is not None and not members.record["at_floor"][m]:
+    return (
+      "the scale was still falling: if the streak is the scale settling,"
+      " start from a lower initial_loss_scale or allow more skips; if steps"
+      " overflow at every scale, check the inputs and the learning rate (a"
+      " diverging run), or compute the layers named above in float32."
     )
   return (
     "check the inputs and the learning rate (a diverging run overflows at"
@@ -439,7 +458,9 @@ class SkipMonitor:
     limit = self.max_consecutive_skips
     worst = int(np.argmax(members.consecutive))
     if limit is not None and members.consecutive[worst] >= limit:
-      raise ConsecutiveSkipsError(_stop_message(members, worst, limit))
+      raise ConsecutiveSkipsError(
+        _stop_message(members, worst, limit), _latest(members, worst)
+      )
     if not reports:
       return None
     _, report = max(reports, key=lambda pair: members.consecutive[pair[0]])

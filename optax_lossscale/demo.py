@@ -67,7 +67,8 @@ def _require(module: str) -> Any:
   except ImportError:
     sys.exit(
       f"The demo needs {module!r}, which is not installed. Install the"
-      " demo extra: pip install 'optax_lossscale[demo]'"
+      " demo extra: pip install '.[demo]' from a checkout, or"
+      " pip install 'optax_lossscale[demo]'."
     )
 
 

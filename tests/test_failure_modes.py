@@ -586,6 +586,25 @@ def test_the_stop_rule_s_advice_for_a_nonfinite_loss_is_not_the_scale():
   message = str(error.value)
   assert "non-finite loss, which no loss scale fixes" in message
   assert "lower min_loss_scale" not in message
+  assert error.value.report == ols.SkipReport(8.0, 8.0, 2, 2, False, ("['w']",))
+
+
+def test_the_stop_rule_s_advice_above_the_floor_is_not_to_lower_it():
+  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale(2.0**20))
+  params = {"w": jnp.ones(2)}
+  state = tx.init(params)
+  step = jax.jit(tx.apply_gradients)
+  for _ in range(3):  # overflows while the scale is still falling
+    params, state = step({"w": jnp.array([jnp.inf, 1.0])}, state, params)
+  with pytest.raises(ols.ConsecutiveSkipsError) as error:
+    ols.SkipMonitor(max_consecutive_skips=3, log=None)(state)
+  message = str(error.value)
+  assert "above its floor" in message and "still falling" in message
+  assert "lower min_loss_scale" not in message
+  assert "initial_loss_scale" in message
+  report = error.value.report
+  assert (report.loss_scale, report.next_loss_scale) == (2.0**18, 2.0**17)
+  assert report.nonfinite == ("['w']",)
 
 
 @jax.tree_util.register_dataclass
