@@ -253,7 +253,8 @@ def _likely_fix(report: SkipReport | None, members: _Members, m: int) -> str:
       " overflow (softmax, LayerNorm statistics, the loss: compute them in"
       " float32)."
     )
-  if report is not None and not members.record["at_floor"][m]:
+  record = members.record
+  if report is not None and record is not None and not record["at_floor"][m]:
     return (
       "the scale was still falling: if the streak is the scale settling,"
       " start from a lower initial_loss_scale or allow more skips; if steps"
