@@ -252,13 +252,12 @@ def finite_flags(leaves: list[Any]) -> jax.Array:
   flags = _float_flags([jnp.asarray(leaves[i]) for i in floats])
   if len(floats) == len(leaves):
     return flags
-  position = dict(zip(floats, range(len(floats)), strict=True))
-  return jnp.stack(
-    [
-      flags[position[i]] if i in position else jnp.array(True)
-      for i in range(len(leaves))
-    ]
-  )
+  # Each other leaf takes a True appended to the flags. Concatenated, not
+  # stacked: under `vmap` over a member axis that an Explicit mesh axis
+  # shards, `jnp.stack` refuses a batched flag beside an unbatched constant.
+  index = np.full(len(leaves), len(floats))
+  index[floats] = np.arange(len(floats))
+  return jnp.concatenate([flags, jnp.ones((1,), jnp.bool_)])[index]
 
 
 def verdict(leaves: list[jax.Array], axis_name: AxisName) -> jax.Array:

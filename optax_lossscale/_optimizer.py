@@ -790,7 +790,10 @@ class LossScaleOptimizer:
       )
     if flags is None:
       unscaled = jax.tree.leaves(loss_scale.unscale(grads))
-      flags = jnp.stack([_numerics.all_finite(x) for x in unscaled])
+      # Concatenated, not stacked: see `_numerics.finite_flags`.
+      flags = jnp.concatenate(
+        [_numerics.all_finite(x).reshape(1) for x in unscaled]
+      )
       flags = _numerics.agree(flags, self.axis_name)
     return ~flags
 

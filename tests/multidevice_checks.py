@@ -12,6 +12,7 @@ import os
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 
 import contextlib  # noqa: E402
+import dataclasses  # noqa: E402
 import sys  # noqa: E402
 from functools import partial  # noqa: E402
 
@@ -575,6 +576,39 @@ def check_vmap_members_sharded():
     assert new_params["w"].sharding.is_equivalent_to(
       NamedSharding(mesh, P("x")), 2
     )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, eq=False)
+class _OwnVerdict(ols.DynamicLossScale):
+  """A loss scale whose class overrides `grads_finite`."""
+
+  def grads_finite(self, scaled_grads, *, axis_name=None):
+    return ols.all_finite(scaled_grads, axis_name=axis_name)
+
+
+def check_vmap_members_sharded_with_integer_leaves():
+  # Integer leaves beside float ones of several sizes, in an ensemble whose
+  # member axis is sharded: each member's record flags its own float leaves,
+  # with the check's flags and with a loss scale's own `grads_finite`.
+  mesh = _mesh((N,), ("x",))
+  with jax.set_mesh(mesh):
+    host = {
+      "c": np.ones((N, 7), np.float32),
+      "d": np.ones((N, 3), np.float32),
+      "n": np.ones((N, 2), np.int32),
+    }
+    host["c"][1, 0] = np.nan
+    host["d"][2, 0] = np.inf
+    grads = jax.device_put(host, P("x"))
+    params = jax.tree.map(jnp.zeros_like, grads)
+    expected = [[m == 1, m == 2, False] for m in range(N)]
+    for loss_scale in [ols.DynamicLossScale(8.0), _OwnVerdict(8.0)]:
+      tx = ols.LossScaleOptimizer(optax.sgd(0.1), loss_scale)
+      step = jax.jit(jax.vmap(tx.apply_gradients))
+      _, state = step(grads, jax.vmap(tx.init)(params), params)
+      flags = np.asarray(state.last_skip.nonfinite).tolist()
+      assert flags == expected, (type(loss_scale).__name__, flags)
 
 
 def _aval(x):

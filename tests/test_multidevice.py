@@ -58,6 +58,7 @@ def test_sharded_meshes(axes):
         "orbax_sharded_state",
         "vmap_members_sharded",
         "vmap_members_sharded_inside",
+        "vmap_members_sharded_with_integer_leaves",
         "sharded_step_differentiates_in_reverse_mode",
       ]
     )
