@@ -115,6 +115,20 @@ def loss_verdict(call: str, value: Any) -> jax.Array:
   return jnp.all(jnp.isfinite(value))
 
 
+def own_verdict(loss_scale: LossScale, grads: Any) -> jax.Array:
+  """A loss scale's own `grads_finite` verdict, as a one-element bool vector.
+
+  A Python or NumPy bool is accepted, as a scalar array is.
+  """
+  verdict = loss_scale.grads_finite(grads)
+  if np.ndim(verdict) != 0:
+    raise ValueError(
+      f"`{type(loss_scale).__name__}.grads_finite(scaled_grads)` must return"
+      f" a bool scalar, got shape {np.shape(verdict)}."
+    )
+  return jnp.asarray(verdict, jnp.bool_).reshape(1)
+
+
 class Decision(NamedTuple):
   """What a step decided: the next loss scale and whether it applies."""
 
@@ -149,7 +163,7 @@ def verdicts(
   across replicas by one collective.
   """
   flags = leaf_flags(loss_scale, grads)
-  local = [loss_scale.grads_finite(grads)[None] if flags is None else flags]
+  local = [own_verdict(loss_scale, grads) if flags is None else flags]
   if value is not None:
     local.append(loss_verdict(call, value)[None])
   agreed = _numerics.agree(jnp.concatenate(local), axis_name)
@@ -447,7 +461,8 @@ class LossScaleOptimizer:
         or a leaf in shape, naming the leaf; or if, inside `shard_map`, the
         gradients vary across devices where the parameters and state do not
         (under `check_vma`, average the loss with `lax.pmean`; without it,
-        the gradients).
+        the gradients); or if a loss scale's own `grads_finite` returns
+        something other than a bool scalar.
       TypeError: if `state` is not a `LossScaleOptimizerState`.
     """
     self._check(grads, state, params)

@@ -633,3 +633,26 @@ def test_a_loss_scale_s_own_grads_finite_decides_and_the_record_names_leaves():
   assert np.asarray(states.should_apply).tolist() == [True, False]
   reports = ols.skip_reports(states)
   assert [(r.member, r.nonfinite) for r in reports] == [(1, ("['b']", "['w']"))]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, eq=False)
+class _AlwaysFinite(ols.FixedLossScale):
+  """A loss scale whose `grads_finite` returns a Python bool."""
+
+  verdict: object = dataclasses.field(default=True, metadata=dict(static=True))
+
+  def grads_finite(self, scaled_grads, *, axis_name=None):
+    return self.verdict
+
+
+def test_a_loss_scale_s_own_grads_finite_may_return_a_python_bool():
+  params = {"w": jnp.ones(2)}
+  grads = {"w": jnp.array([jnp.nan, 1.0])}
+  for verdict, applies in [(True, True), (np.bool_(False), False)]:
+    tx = ols.LossScaleOptimizer(optax.sgd(0.1), _AlwaysFinite(2.0, verdict))
+    _, state = jax.jit(tx.update)(grads, tx.init(params), params)
+    assert bool(state.should_apply) is applies
+  tx = ols.LossScaleOptimizer(optax.sgd(0.1), _AlwaysFinite(2.0, (True, True)))
+  with pytest.raises(ValueError, match=r"grads_finite\(scaled_grads\)` must"):
+    tx.update(grads, tx.init(params), params)
