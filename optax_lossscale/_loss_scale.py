@@ -98,9 +98,9 @@ class LossScale(abc.ABC):
   `hysteresis_budget`, when `hysteresis > 1`. A subclass must be a pytree whose
   hyperparameters are static (a frozen dataclass registered with
   `register_dataclass` is the simplest), and implement `__call__`, `adjust`
-  and `get_config`. It may override `grads_finite` (to check faster) and
-  `lowered` (to support retries); the base implementations are correct for
-  any scale.
+  and `get_config`. It may override `grads_finite` (its own verdict; skip
+  records then read the gradients again) and `lowered` (to support
+  retries); the base implementations are correct for any scale.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -297,10 +297,12 @@ class LossScale(abc.ABC):
     scaled loss gives them, and pass the verdict to `adjust`. This base
     implementation checks `self.unscale(scaled_grads)`, which is right for any
     scale, including scales below 1, where unscaling enlarges a gradient (a
-    float16 gradient of 40000 unscaled by 0.5 overflows). Override it only to
-    make it faster; the built-in loss scales check the scaled gradients
-    directly when their scale cannot fall below 1, since unscaling by a scale
-    of at least 1 cannot make a finite gradient infinite.
+    float16 gradient of 40000 unscaled by 0.5 overflows). The built-in loss
+    scales check the scaled gradients directly when their scale cannot fall
+    below 1, since unscaling by a scale of at least 1 cannot make a finite
+    gradient infinite. A subclass that overrides it decides by its own
+    verdict; `LossScaleOptimizer` then reads the unscaled gradients a second
+    time on skipped steps, for the skip record's per-leaf flags.
 
     Args:
       scaled_grads: the scaled gradients, a pytree (None leaves are ignored).

@@ -313,11 +313,11 @@ class LossScaleOptimizer:
   step; `update` returns the updates, which leave the `cond` as a buffer.
 
   A skipped step also writes a `SkipRecord` into the state (`last_skip`:
-  the scales, whether the loss was finite, per-leaf counts of non-finite
-  unscaled gradients), computed in the skip branch only (under `vmap`, where
-  the `cond` becomes a select, on every step); nothing in the step calls the
-  host. Read it at your logging cadence with `skip_report` or a
-  `SkipMonitor`, which also stops a run that skips too many steps in a row.
+  the scales, whether the loss was finite, and per leaf whether its unscaled
+  gradients held a non-finite value: the check's own per-leaf verdicts, so
+  no gradient is read again); nothing in the step calls the host. Read it
+  at your logging cadence with `skip_reports` or a `SkipMonitor`, which also
+  stops a run that skips too many steps in a row.
 
   Use an instance wherever Optax transformations are duck-typed (flax
   linen's `TrainState.create(tx=...)`, `nnx.Optimizer(model, tx, wrt=...)`),

@@ -73,7 +73,7 @@ class SkipRecord:
   """The last skipped step, as `LossScaleOptimizer` keeps it in its state.
 
   Written on skipped steps only, inside the compiled step, and read on the
-  host by `skip_report` and `SkipMonitor`. Every field is a replicated array
+  host by `skip_reports` and `SkipMonitor`. Every field is a replicated array
   (under `vmap`, one per member), so the record goes wherever the state
   goes: `jit`, `lax.scan`, Orbax checkpoints, `optax.tree.map_params`.
 
@@ -151,7 +151,7 @@ class LossScaleOptimizerState(NamedTuple):
     retries: how many times `minimize` recomputed a batch at a lower scale
       (int32).
     last_skip: the last skipped step, a `SkipRecord`; read it with
-      `skip_report` or `SkipMonitor`.
+      `skip_reports` or `SkipMonitor`.
 
   A 0.1.0 checkpoint (five fields) restores into a dict of the first five
   fields, `{k: v for k, v in tx.init(params)._asdict().items() if k not in

@@ -332,8 +332,8 @@ def check_minimize_retries_agree():
   assert len(set(np.asarray(state.loss_scale.current_loss_scale).tolist())) == 1
   assert np.isfinite(np.asarray(params["w"])).all()
   # The skip record: retries that succeed record nothing; retries that run
-  # out record the step once, with the largest count over replicas (not
-  # their sum), and every replica holds the same record.
+  # out record the step once, with the flags agreed over replicas, and
+  # every replica holds the same record.
   needed = int(retries[0])
   params = {"w": jnp.full((4, 3), 0.5, jnp.float32)}
   state = jax.pmap(tx.init, devices=devices)(params)
@@ -557,7 +557,7 @@ def check_orbax_sharded_state():
 
 def check_vmap_members_sharded():
   # An ensemble of 8 members, the member axis sharded over the mesh: each
-  # member skips on its own, and the record counts its own gradients.
+  # member skips on its own, and the record flags its own gradients.
   mesh = _mesh((N,), ("x",))
   tx = ols.LossScaleOptimizer(optax.adam(0.1), ols.DynamicLossScale(8.0))
   with jax.set_mesh(mesh):

@@ -272,8 +272,8 @@ def test_no_compiled_step_contains_a_host_callback():
 
 
 def test_skip_report_names_every_nonfinite_leaf_of_a_large_mixed_tree():
-  # Hundreds of small leaves of two dtypes (counted in groups) and large
-  # ones (counted in place), with non-finite values at random positions.
+  # Hundreds of small leaves of two dtypes (checked in stacks) and large
+  # ones (checked in place), with non-finite values at random positions.
   rng = np.random.default_rng(0)
   grads = {}
   for i in range(150):
