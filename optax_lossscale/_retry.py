@@ -47,8 +47,9 @@ def retry(
 
   `attempt(loss_scale, operand)` returns `(value, grads)`;
   `verdicts(loss_scale, value, grads)` returns what the check found (its
-  `grads_finite` and `loss_finite`, bool scalars), agreed across replicas, so that every replica runs the same number of
-  attempts and collectives inside `attempt` cannot deadlock. A retry happens
+  `grads_finite` and `loss_finite`, bool scalars), agreed across replicas,
+  so that every replica runs the same number of attempts and collectives
+  inside `attempt` cannot deadlock. A retry happens
   when the gradients are not finite, the loss is, fewer than `max_retries`
   retries were made and `loss_scale.lowered()` is lower.
 
