@@ -22,8 +22,9 @@ Measures, in one process, configurations in turns, ratios only:
 Writes a markdown file (default benchmarks/ACCELERATOR_<backend>.md) with
 `_timing.header()` under its title (the command, backend, device, host,
 versions and date), the sweep's table (from `--sweep`, the output of
-`benchmarks/finite_sweep.py --quick`), and one table of the rest. `--quick` is a smoke run on small trees and a one-block model:
-its figures mean nothing.
+`benchmarks/finite_sweep.py --quick`), and one table of the rest. `--quick`
+is a smoke run on small trees and a one-block model: its figures mean
+nothing.
 """
 
 from __future__ import annotations
