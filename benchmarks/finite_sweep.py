@@ -167,8 +167,11 @@ def sweep(quick: bool) -> list[str]:
 
 
 def _adam_in_one_cond(lr: float) -> tuple[Any, Any]:
-  """Plain Adam inside one `lax.cond` on a gradient's finiteness: the cost
-  of the conditional alone, which any step that skips with one must pay."""
+  """Plain Adam inside one `lax.cond` on a gradient's finiteness.
+
+  The conditional's own cost, which any step that skips with one pays: no
+  check, unscaling or record. Returns `(init, step)`.
+  """
   tx = optax.adam(lr)
 
   def step(params, state, grads):
