@@ -110,6 +110,12 @@ def cases(quick: bool) -> list[tuple[str, str, dict[str, tuple[int, ...]]]]:
   for name, tree in [("GPT-2 small", gpt2_small()), ("ResNet-50", resnet50())]:
     for dtype in ["float32"] if quick else ["float32", "float16"]:
       out.append((f"{name} ({len(tree)} leaves)", dtype, tree))
+  if not quick:  # leaves of many sizes, small and mid-sized
+    for low, high in [(1, 16384), (1000, 4000)]:
+      sizes = np.random.default_rng(0).integers(low, high, 400)
+      tree = {f"p{i:03d}": (int(n),) for i, n in enumerate(sizes)}
+      for dtype in ["float32", "float16"]:
+        out.append((f"400 x ({low} to {high},)", dtype, tree))
   return out
 
 

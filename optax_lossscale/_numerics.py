@@ -89,12 +89,14 @@ def _finite(x: jax.Array) -> jax.Array:
 # leaf, on every backend, and on XLA's CPU backend each kernel is also
 # compiled on its own (`benchmarks/finite_sweep.py`, 400 x (1000,) on a
 # 2-core CPU: 0.4x to 0.9x the one-liner read together, 1.3x to 1.8x a kernel
-# each). Larger leaves are checked in place (512 leaves of 32,768 elements:
-# 1.9x the plain Adam step when copied, 1.1x in place), and so is a leaf that
-# may be split across devices: stacking would gather it (Auto axes) or be
-# refused (Explicit axes). One stack of thousands of operands compiles
-# slowly: 2000 leaves in groups of 64 compile in about a third of the time.
-_SMALL_LEAF = 2**14
+# each). Larger leaves are checked in place: copying them costs more than a
+# kernel of their own (400 leaves of 1 to 16,384 elements: 1.4x to 1.9x the
+# one-liner with all of them stacked, 0.7x to 1.0x with those over 4,096 in
+# place), and so is a leaf that may be split across devices: stacking would
+# gather it (Auto axes) or be refused (Explicit axes). One stack of
+# thousands of operands compiles slowly: 2000 leaves in groups of 64
+# compile in about a third of the time.
+_SMALL_LEAF = 2**12
 _CONCAT = 64
 # A stack's rows are padded to its longest leaf: a leaf joins a stack only if
 # it is at most this many times the size of the stack's first (smallest).
