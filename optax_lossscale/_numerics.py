@@ -25,9 +25,9 @@ def zeros_of(shapes: Any) -> Any:
   return optax.tree.zeros_like(shapes)
 
 
-def array_leaves(tree: Any) -> list[jax.Array]:
-  """The leaves that carry numbers: `None` and `float0` leaves are dropped."""
-  return [x for x in jax.tree.leaves(tree) if not is_float0(x)]
+def _is_float(x: Any) -> bool:
+  """Whether a leaf is checked: floating point (and complex), not `float0`."""
+  return not is_float0(x) and jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
 def _is_whole(x: jax.Array) -> bool:
@@ -246,11 +246,7 @@ def finite_flags(leaves: list[Any]) -> jax.Array:
   time. Leaves that are not floating point (integers, `float0`) are finite.
   No collective combines replicas (see `agree`).
   """
-  floats = [
-    i
-    for i, x in enumerate(leaves)
-    if not is_float0(x) and jnp.issubdtype(jnp.result_type(x), jnp.inexact)
-  ]
+  floats = [i for i, x in enumerate(leaves) if _is_float(x)]
   flags = _float_flags([jnp.asarray(leaves[i]) for i in floats])
   if len(floats) == len(leaves):
     return flags
@@ -260,11 +256,6 @@ def finite_flags(leaves: list[Any]) -> jax.Array:
   index = np.full(len(leaves), len(floats))
   index[floats] = np.arange(len(floats))
   return jnp.concatenate([flags, jnp.ones((1,), jnp.bool_)])[index]
-
-
-def verdict(leaves: list[jax.Array], axis_name: AxisName) -> jax.Array:
-  """True iff every element of every float leaf is finite; one read of each."""
-  return agree(jnp.all(_float_flags(leaves)), axis_name)
 
 
 def agree(flags: jax.Array, axis_name: AxisName) -> jax.Array:
@@ -304,6 +295,5 @@ def all_finite(tree: Any, *, axis_name: AxisName = None) -> jax.Array:
     >>> ols.all_finite([jnp.array([1.0, jnp.inf])])
     Array(False, dtype=bool)
   """
-  leaves = [jnp.asarray(x) for x in array_leaves(tree)]
-  floats = [x for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)]
-  return verdict(floats, axis_name)
+  floats = [jnp.asarray(x) for x in jax.tree.leaves(tree) if _is_float(x)]
+  return agree(jnp.all(_float_flags(floats)), axis_name)
