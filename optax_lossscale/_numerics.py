@@ -54,6 +54,22 @@ def _is_whole(x: jax.Array) -> bool:
 _ROW = 16
 
 
+def _zeros_of(x: jax.Array) -> jax.Array:
+  """`x - x`: 0 per finite element, NaN otherwise; bfloat16 as float32."""
+  if x.dtype == jnp.bfloat16:
+    x = x.astype(jnp.float32)
+  return x - x
+
+
+def _float16_rows(zero: jax.Array) -> jax.Array:
+  """`zero`'s last axis summed by `_ROW` in float16 (exact), as float32."""
+  rows = zero.reshape(*zero.shape[:-1], -1, _ROW)
+  sums: jax.Array = lax.reduce(
+    rows, np.zeros((), zero.dtype), lax.add, (zero.ndim,)
+  )
+  return sums.astype(jnp.float32)
+
+
 def _finite(x: jax.Array) -> jax.Array:
   """True iff every element of a large whole leaf `x` is finite.
 
@@ -69,18 +85,12 @@ def _finite(x: jax.Array) -> jax.Array:
   full on XLA's CPU backend, so float16 is summed in rows of `_ROW` in its
   own dtype first (exact: every term is 0 or NaN), which leaves 1/16 of it.
   """
-  flat = lax.optimization_barrier(x.ravel())
-  if flat.dtype == jnp.bfloat16:
-    flat = flat.astype(jnp.float32)
-  zero = flat - flat
+  zero = _zeros_of(lax.optimization_barrier(x.ravel()))
   if zero.dtype != jnp.float16:
     return jnp.isfinite(jnp.sum(zero))
   body = zero.size // _ROW * _ROW
-  rows = lax.reduce(
-    zero[:body].reshape(-1, _ROW), np.zeros((), zero.dtype), lax.add, (1,)
-  )
   tail = zero[body:].astype(jnp.float32)
-  return jnp.isfinite(jnp.sum(rows.astype(jnp.float32)) + jnp.sum(tail))
+  return jnp.isfinite(jnp.sum(_float16_rows(zero[:body])) + jnp.sum(tail))
 
 
 # Leaves up to this size are stacked (per dtype and similar size, up to
@@ -157,17 +167,9 @@ def _rows_finite(members: list[jax.Array]) -> jax.Array:
       for x in members
     ]
   ).reshape(len(members), longest)
-  if rows.dtype == jnp.bfloat16:
-    rows = rows.astype(jnp.float32)
-  zero = rows - rows
+  zero = _zeros_of(rows)
   if zero.dtype == jnp.float16:
-    sums = lax.reduce(
-      zero.reshape(len(members), -1, _ROW),
-      np.zeros((), zero.dtype),
-      lax.add,
-      (2,),
-    )
-    zero = sums.astype(jnp.float32)
+    zero = _float16_rows(zero)
   return jnp.isfinite(jnp.sum(zero, axis=1))
 
 
