@@ -1,7 +1,6 @@
 """The finiteness check against the one-liner, over dtypes, shapes and trees.
 
 Usage: PYTHONPATH=. python benchmarks/finite_sweep.py [--quick] [--out DIR]
-       PYTHONPATH=. python benchmarks/finite_sweep.py --compile [--compiles N]
 
 The reference is what `optax.apply_if_finite` computes:
 `jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))`. Each case is
@@ -9,18 +8,13 @@ jitted three ways (the one-liner, `ols.all_finite`, and the verdict the
 optimizer uses, `DynamicLossScale().grads_finite`), timed in turns in one
 process: the best of `REPEATS` calls per round, the minimum over `ROUNDS`
 rounds. Prints ratios to the one-liner and writes benchmarks/FINITE_SWEEP.md.
-
-`--compile`: the fused step's first compile (`LossScaleOptimizer.
-apply_gradients` with a skip record, without one, and plain Adam) at 400 and
-2000 leaves of 1000, the median of `--compiles` fresh compiles (a learning
-rate apart, so that none is served from JAX's cache), in turns.
+The fused step's first compile is `compile_step.py`'s.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -29,7 +23,6 @@ import _timing
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 import optax_lossscale as ols
 
@@ -174,115 +167,12 @@ def sweep(quick: bool) -> list[str]:
   return rows
 
 
-def _adam_in_one_cond(lr: float) -> tuple[Any, Any]:
-  """Plain Adam inside one `lax.cond` on a gradient's finiteness.
-
-  The conditional's own cost, which any step that skips with one pays: no
-  check, unscaling or record. Returns `(init, step)`.
-  """
-  tx = optax.adam(lr)
-
-  def step(params, state, grads):
-    def apply(params, state):
-      updates, state = tx.update(grads, state, params)
-      return optax.apply_updates(params, updates), state
-
-    pred = jnp.isfinite(jax.tree.leaves(grads)[0].ravel()[0])
-    return jax.lax.cond(pred, apply, lambda p, s: (p, s), params, state)
-
-  return tx.init, step
-
-
-COMPILE_CONFIGS = (
-  "plain adam",
-  "adam in one lax.cond",
-  "fused, record",
-  "fused, no record",
-)
-
-
-def compile_ratios(compiles: int) -> list[str]:
-  """Median first-compile seconds of the fused step, vs plain Adam.
-
-  Each compile has fresh HLO (a new learning rate), the configurations in
-  turns in one process.
-  """
-  sys.path.insert(0, os.path.dirname(__file__))
-  import step_overhead  # noqa: PLC0415
-
-  def first_compile(config: str, params: Any, lr: float) -> float:
-    if config == "plain adam":
-      init, step = step_overhead._optax_step(optax.adam(lr))
-    elif config == "adam in one lax.cond":
-      init, step = _adam_in_one_cond(lr)
-    else:
-      init, step = step_overhead._fused(lr, record=config == "fused, record")
-    p = jax.tree.map(jnp.copy, params)
-    grads = jax.tree.map(lambda x: x * 1e-3, params)
-    return _timing.compile_step(step, p, init(p), grads)[1]
-
-  rows = []
-  for n in (400, 2000):
-    params = step_overhead.make_tree(n, 1000)
-    seconds: dict[str, list[float]] = {c: [] for c in COMPILE_CONFIGS}
-    for k in range(compiles):
-      for config in COMPILE_CONFIGS:
-        seconds[config].append(first_compile(config, params, 1e-3 * (2 + k)))
-    median = {c: float(np.median(s)) for c, s in seconds.items()}
-    plain = median["plain adam"]
-    row = (
-      f"| {n} leaves x 1000 | {plain:.2f} | "
-      f"{median['adam in one lax.cond'] / plain:.2f}x | "
-      f"{median['fused, record'] / plain:.2f}x | "
-      f"{median['fused, no record'] / plain:.2f}x | "
-      f"{median['fused, record'] / median['fused, no record']:.2f}x |"
-    )
-    print(row, flush=True)
-    rows.append(row)
-  return rows
-
-
-COMPILE_HEAD = (
-  "| workload | plain adam (s) | adam in one lax.cond | fused | "
-  "fused, no record | record |\n|---|---|---|---|---|---|"
-)
-
-
-def write_compile(out: str, compiles: int) -> None:
-  """Writes `COMPILE.md`: the fused step's first compile vs plain Adam's."""
-  print(COMPILE_HEAD, flush=True)
-  rows = compile_ratios(compiles)
-  with open(os.path.join(out, "COMPILE.md"), "w") as f:
-    f.write(
-      "# First compile of the fused step\n\n"
-      f"{_timing.header()}\n\n"
-      "Median of"
-      f" {compiles} first compiles (lower and compile, fresh HLO each), the"
-      " configurations in turns in one process, as ratios to plain Adam's."
-      " `fused` is `LossScaleOptimizer(adam, DynamicLossScale())."
-      "apply_gradients`, donated; `no record` is its state without a skip"
-      " record; `record` is the ratio of the two. `adam in one lax.cond` is"
-      " plain Adam inside one conditional on a gradient's finiteness, with"
-      " no check, unscaling or record: what the conditional alone costs to"
-      " compile on this backend.\n\n"
-      + COMPILE_HEAD
-      + "\n"
-      + "\n".join(rows)
-      + "\n"
-    )
-
-
 def main() -> None:
   parser = argparse.ArgumentParser()
   parser.add_argument("--quick", action="store_true")
-  parser.add_argument("--compile", action="store_true")
-  parser.add_argument("--compiles", type=int, default=3)
   parser.add_argument("--out", default=os.path.dirname(__file__))
   args = parser.parse_args()
   print(_timing.header(), flush=True)
-  if args.compile:
-    write_compile(args.out, args.compiles)
-    return
   print("| case | dtype | one-liner (ms) | all_finite | grads_finite |")
   rows = sweep(args.quick)
   if args.quick:

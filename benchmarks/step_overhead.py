@@ -42,7 +42,7 @@ def _adam() -> optax.GradientTransformation:
   return optax.adam(1e-3)
 
 
-def _optax_step(tx, prepare=lambda grads: grads):
+def optax_step(tx, prepare=lambda grads: grads):
   """`tx.update` then `optax.apply_updates`, on `prepare(grads)`."""
 
   def step(params, state, grads):
@@ -53,11 +53,11 @@ def _optax_step(tx, prepare=lambda grads: grads):
 
 
 def config_plain():
-  return _optax_step(_adam())
+  return optax_step(_adam())
 
 
 def config_loss_scale_optimizer():
-  return _optax_step(
+  return optax_step(
     ols.loss_scale_optimizer(_adam(), ols.DynamicLossScale(SCALE))
   )
 
@@ -71,7 +71,7 @@ def config_apply_gradients():
   return tx.init, step
 
 
-def _fused(lr: float = 1e-3, **options):
+def fused_step(lr: float = 1e-3, **options):
   """`(init, step)` of `LossScaleOptimizer.apply_gradients`, with `options`.
 
   `options`: `value` (passed as `value=`), `hysteresis`, `idle_callback` (a
@@ -110,19 +110,19 @@ def _fused(lr: float = 1e-3, **options):
 # The failure-mode options (`--failure-modes`), each against the first: the
 # step as it was before skip records (a state without one computes none).
 FAILURE_MODES: dict[str, Callable[..., Any]] = {
-  "no skip record (before)": functools.partial(_fused, record=False),
-  "defaults (skip record)": functools.partial(_fused),
-  "hysteresis=2": functools.partial(_fused, hysteresis=2),
-  "value= passed": functools.partial(_fused, value=1.0),
+  "no skip record (before)": functools.partial(fused_step, record=False),
+  "defaults (skip record)": functools.partial(fused_step),
+  "hysteresis=2": functools.partial(fused_step, hysteresis=2),
+  "value= passed": functools.partial(fused_step, value=1.0),
   # Not an option of ours: any host callback in a step, for comparison.
   "defaults + a never-called jax.debug.callback": functools.partial(
-    _fused, idle_callback=True
+    fused_step, idle_callback=True
   ),
 }
 
 
 def config_unscale_gradients():
-  return _optax_step(
+  return optax_step(
     optax.chain(ols.unscale_gradients(ols.DynamicLossScale(SCALE)), _adam())
   )
 
@@ -174,7 +174,7 @@ def config_flax_pattern():
 
 
 def config_apply_if_finite():
-  return _optax_step(
+  return optax_step(
     optax.apply_if_finite(_adam(), max_consecutive_errors=5),
     lambda grads: jax.tree.map(lambda g: (g / SCALE).astype(g.dtype), grads),
   )

@@ -33,7 +33,7 @@ WRITERS = {
   "SHARDED.md": ("benchmarks/step_overhead.py", "--sharded"),
   "TRAIN_STEP.md": ("benchmarks/train_step.py",),
   "FINITE_SWEEP.md": ("benchmarks/finite_sweep.py",),
-  "COMPILE.md": ("benchmarks/finite_sweep.py", "--compile"),
+  "COMPILE.md": ("benchmarks/compile_step.py",),
   "JMP.md": ("benchmarks/jmp_select_tree.py",),
   "JMP_HAIKU.md": ("benchmarks/jmp_haiku_resnet.py",),
   "MODEL_STEP.md": ("benchmarks/model_step.py",),
