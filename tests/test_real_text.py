@@ -64,6 +64,8 @@ def test_float16_with_scaling_matches_float32_and_the_mistake_is_stopped(
   assert abs(ours["vs_f32"] - 1) <= 0.01, ours["vs_f32"]
   # Resume: stopped mid-run, restored with Orbax, continued bit for bit.
   assert result["summary"]["resume"] is True
+  # The conditional-only reference was compiled (its ratio is reported).
+  assert np.isfinite(result["summary"]["cond_compile"])
   # The float16-LayerNorm mistake: every step overflows, and SkipMonitor
   # stops the run at its limit, naming the first block's LayerNorm.
   caught = result["caught"]
