@@ -8,7 +8,7 @@ jitted three ways (the one-liner, `ols.all_finite`, and the verdict the
 optimizer uses, `DynamicLossScale().grads_finite`), timed in turns in one
 process: the best of `REPEATS` calls per round, the minimum over `ROUNDS`
 rounds. Prints ratios to the one-liner and writes benchmarks/FINITE_SWEEP.md.
-The fused step's first compile is `compile_step.py`'s.
+The fused step's first compile is `first_compile.py`'s.
 """
 
 from __future__ import annotations

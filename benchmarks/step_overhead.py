@@ -42,8 +42,21 @@ def _adam() -> optax.GradientTransformation:
   return optax.adam(1e-3)
 
 
-def optax_step(tx, prepare=lambda grads: grads):
-  """`tx.update` then `optax.apply_updates`, on `prepare(grads)`."""
+def optax_step(
+  tx: optax.GradientTransformation,
+  prepare: Callable[[Any], Any] = lambda grads: grads,
+) -> tuple[Callable[..., Any], Callable[..., Any]]:
+  """A train step of `tx` on given gradients.
+
+  Args:
+    tx: the transformation.
+    prepare: applied to the gradients first.
+
+  Returns:
+    `(init, step)`: `tx.init`, and `step(params, state, grads)`, which runs
+    `tx.update` on `prepare(grads)` then `optax.apply_updates`, returning
+    `(params, state)`.
+  """
 
   def step(params, state, grads):
     updates, state = tx.update(prepare(grads), state, params)
@@ -71,13 +84,21 @@ def config_apply_gradients():
   return tx.init, step
 
 
-def fused_step(lr: float = 1e-3, **options):
-  """`(init, step)` of `LossScaleOptimizer.apply_gradients`, with `options`.
+def fused_step(
+  lr: float = 1e-3, **options: Any
+) -> tuple[Callable[..., Any], Callable[..., Any]]:
+  """A train step of `LossScaleOptimizer(adam(lr), DynamicLossScale(SCALE))`.
 
-  `options`: `value` (passed as `value=`), `hysteresis`, `idle_callback` (a
-  `jax.debug.callback` of the user's in a `cond` that never calls it),
-  `record` (False: a state without a skip record, as before records
-  existed) and `LossScaleOptimizer`'s own keyword arguments.
+  Args:
+    lr: Adam's learning rate.
+    **options: `value` (passed as `value=`), `hysteresis`, `idle_callback`
+      (a `jax.debug.callback` of the user's in a `cond` that never calls
+      it), `record` (False: a state without a skip record, as before records
+      existed) and `LossScaleOptimizer`'s own keyword arguments.
+
+  Returns:
+    `(init, step)`: `step(params, state, grads)` is `apply_gradients`,
+    returning `(params, state)`.
   """
   value = options.pop("value", None)
   hysteresis = options.pop("hysteresis", 1)

@@ -395,7 +395,7 @@ RUNS = [
 UNSCALED, OURS = 2, 3  # indices in RUNS: the cost baseline, this library
 # Compiled in turns with the runs, under this key, and never trained.
 COND_ONLY = ("float16, Adam in one lax.cond", jnp.float16, plain_in_one_cond)
-COND_KEY = -1
+COND_KEY = "cond"
 
 
 # --- running them -----------------------------------------------------------
@@ -489,17 +489,21 @@ def history(run: Run) -> dict[str, np.ndarray]:
 def main_runs(
   cfg: Config, batches: jax.Array, held_out: jax.Array, log: Callable[..., Any]
 ) -> tuple[list[Run], dict[str, Any]]:
-  """The six runs, compile times measured in turns, and the Orbax resume."""
+  """The runs, compile times measured in turns, and the Orbax resume.
+
+  The compile times are keyed by index in RUNS, and the conditional-only
+  reference (compiled with them, never trained) by COND_KEY.
+  """
   params0 = init_params(jax.random.PRNGKey(cfg.seed), cfg)
-  keys = (*cfg.runs, COND_KEY)
-  compile_times: dict[int, list[float]] = {i: [] for i in keys}
+  keys: tuple[int | str, ...] = (*cfg.runs, COND_KEY)
+  compile_times: dict[int | str, list[float]] = {i: [] for i in keys}
   runs: list[Run] = []
   for r in range(cfg.compile_rounds):
     for i in keys:
-      name, dtype, factory = COND_ONLY if i == COND_KEY else RUNS[i]
+      name, dtype, factory = RUNS[i] if isinstance(i, int) else COND_ONLY
       init, step, seconds = compile_step(factory, cfg, dtype, params0)
       compile_times[i].append(seconds)
-      if r == 0 and i != COND_KEY:
+      if r == 0 and isinstance(i, int):
         params = jax.tree.map(jnp.copy, params0)
         runs.append(Run(i, name, step, params, init(params)))
       log(f"compiled {name}: {seconds:.1f} s")

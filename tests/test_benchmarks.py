@@ -33,7 +33,7 @@ WRITERS = {
   "SHARDED.md": ("benchmarks/step_overhead.py", "--sharded"),
   "TRAIN_STEP.md": ("benchmarks/train_step.py",),
   "FINITE_SWEEP.md": ("benchmarks/finite_sweep.py",),
-  "COMPILE.md": ("benchmarks/compile_step.py",),
+  "COMPILE.md": ("benchmarks/first_compile.py",),
   "JMP.md": ("benchmarks/jmp_select_tree.py",),
   "JMP_HAIKU.md": ("benchmarks/jmp_haiku_resnet.py",),
   "MODEL_STEP.md": ("benchmarks/model_step.py",),
@@ -331,3 +331,74 @@ def test_command_line_reads_the_same_from_any_directory(timing, monkeypatch):
   )
   outside = "/nonexistent/elsewhere.py"
   assert timing.command_line([outside]) == f"python {outside}"
+
+
+@pytest.fixture
+def first_compile(monkeypatch):
+  monkeypatch.syspath_prepend(str(BENCHMARKS))
+  import first_compile
+
+  return first_compile
+
+
+# Lines as XLA writes them with TF_CPP_VMODULE=hlo_pass_pipeline=1 (the log
+# prefix shortened): two modules, and `simplification`, a pipeline nested in
+# the step's, whose time includes its own passes'.
+XLA_LOG = """\
+I1204 hlo_pass_pipeline.cc:303] Running HLO pass pipeline on module jit_stage: cpu
+I1204 hlo_pass_pipeline.cc:176] HLO pass: copy-insertion time: 9 ms (9 ms) (cumulative: 9 ms, max: 9 ms, #called: 1)
+I1204 hlo_pass_pipeline.cc:303] Running HLO pass pipeline on module jit_step: cpu
+I1204 hlo_pass_pipeline.cc:176] HLO pass: copy-insertion time: 1.5 ms (1.5 ms) (cumulative: 2 ms, max: 2 ms, #called: 2)
+I1204 hlo_pass_pipeline.cc:303] Running HLO pass pipeline on module jit_step: simplification
+I1204 hlo_pass_pipeline.cc:176] HLO pass: algsimp time: 250 us (250 us) (cumulative: 3 ms, max: 2 ms, #called: 3)
+I1204 hlo_pass_pipeline.cc:176] HLO pass: simplification time: 300 us (300 us) (cumulative: 3 ms, max: 2 ms, #called: 4)
+I1204 hlo_pass_pipeline.cc:176] HLO pass: copy-insertion time: 2 s (2 s) (cumulative: 2 s, max: 2 s, #called: 5)
+"""
+
+
+def test_first_compile_reads_xla_pass_times_counting_nothing_twice(
+  first_compile,
+):
+  times = first_compile.pass_times(XLA_LOG)
+  assert times == {"copy-insertion": 2001.5, "algsimp": 0.25}
+  assert first_compile.pass_times(XLA_LOG, module="jit_stage") == {
+    "copy-insertion": 9.0
+  }
+  assert not first_compile.pass_times("no pass lines at all")
+
+
+def test_first_compile_quick_run_writes_both_tables(tmp_path):
+  # The real script on 8 leaves, one compile each, the passes read from
+  # XLA's own log in child processes: a change of the log's format fails
+  # here, not silently in the committed table.
+  run = subprocess.run(
+    [
+      sys.executable,
+      str(BENCHMARKS / "first_compile.py"),
+      "--compiles=1",
+      "--leaves=8",
+      "--release=",
+      f"--out={tmp_path}",
+    ],
+    env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert run.returncode == 0, run.stderr[-2000:]
+  text = (tmp_path / "COMPILE.md").read_text()
+  assert not _header_problems(text, ("benchmarks/first_compile.py",))
+  header, rows = _table(text, "| workload |")
+  assert header[2:] == ["adam in one lax.cond", "fused", "fused, no record"]
+  assert [r[0] for r in rows] == ["8 leaves x 1000"]
+  header, rows = _table(text, "| pass (ms) |")
+  assert header[1:] == ["plain adam", *_table(text, "| workload |")[0][2:]]
+  assert rows[-1][0] == "all passes"
+  assert all(float(x) > 0 for x in rows[-1][1:])
+
+
+def test_first_compile_leaves_out_a_commit_it_cannot_read(
+  first_compile, tmp_path
+):
+  assert not first_compile.extract_release("no-such-commit", str(tmp_path))
+  assert first_compile.import_release(None) is None

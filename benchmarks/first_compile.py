@@ -1,0 +1,319 @@
+"""The fused step's first compile against plain Adam's, and where it goes.
+
+Usage: PYTHONPATH=. python benchmarks/first_compile.py [--compiles N]
+         [--release REV] [--leaves N [N ...]] [--no-passes] [--out DIR]
+
+Two tables, written to benchmarks/COMPILE.md:
+
+- First compiles at 400 and 2000 leaves of 1000: plain Adam, plain Adam
+  inside one `lax.cond` (nothing else: what the conditional alone costs),
+  the fused step at commit `REV` (default `7f7800e`, the first fused step,
+  `apply_gradients(loss_scale_optimizer(...))`, before `LossScaleOptimizer`;
+  read with `git archive`, and left out where git, the commit or its import
+  fails; `--release ""` leaves it out), and this checkout's fused step
+  (`LossScaleOptimizer.apply_gradients`) with and without a skip record. The
+  median of `--compiles` fresh compiles (a learning rate apart, so that none
+  is served from JAX's caches), the configurations in turns in one process,
+  the order rotated each round, as ratios to plain Adam's median, with the
+  range of the single ratios.
+- XLA's time per HLO pass for one compile of each at the first of
+  `--leaves` (400 by default), from its
+  own log (`TF_CPP_VMODULE=hlo_pass_pipeline=1`, in a child process per
+  configuration), the passes that take the fused step the longest; nested
+  pipelines are left out so that nothing is counted twice. `--no-passes`
+  leaves it out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import io
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import tempfile
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import _timing
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import step_overhead
+
+RELEASE = "7f7800e"
+RELEASE_PACKAGE = "optax_lossscale_release"
+TOP_PASSES = 6
+
+Config = Callable[[float], tuple[Any, Any]]
+
+
+def _adam_in_one_cond(lr: float) -> tuple[Any, Any]:
+  """Plain Adam inside one `lax.cond` on a gradient's finiteness.
+
+  The conditional's own cost, which any step that skips with one pays: no
+  check, unscaling or record. Returns `(init, step)`.
+  """
+  tx = optax.adam(lr)
+
+  def step(params, state, grads):
+    def apply(params, state):
+      updates, state = tx.update(grads, state, params)
+      return optax.apply_updates(params, updates), state
+
+    pred = jnp.isfinite(jax.tree.leaves(grads)[0].ravel()[0])
+    return jax.lax.cond(pred, apply, lambda p, s: (p, s), params, state)
+
+  return tx.init, step
+
+
+def extract_release(rev: str, root: str) -> bool:
+  """Writes the package at commit `rev` to `root`, renamed; False if it can't.
+
+  The copy is `optax_lossscale_release`, importable beside this checkout's
+  package once `root` is on the path.
+  """
+  try:
+    tar = subprocess.run(
+      ["git", "-C", str(_timing.ROOT), "archive", rev, "optax_lossscale"],
+      capture_output=True,
+      check=True,
+    ).stdout
+  except (OSError, subprocess.CalledProcessError) as e:
+    print(f"commit {rev} not read ({e}): its column is left out", flush=True)
+    return False
+  # Our own repository's files; the filter where this Python has it.
+  safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+  with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
+    archive.extractall(root, **safe)
+  package = os.path.join(root, RELEASE_PACKAGE)
+  os.rename(os.path.join(root, "optax_lossscale"), package)
+  for folder, _, files in os.walk(package):
+    for name in files:
+      if name.endswith(".py"):
+        path = os.path.join(folder, name)
+        with open(path) as f:
+          text = f.read().replace("optax_lossscale", RELEASE_PACKAGE)
+        with open(path, "w") as f:
+          f.write(text)
+  return True
+
+
+def import_release(root: str | None) -> Any | None:
+  """The package `extract_release` wrote to `root`; None if it won't serve."""
+  if root is None:
+    return None
+  sys.path.insert(0, root)
+  try:
+    release = importlib.import_module(RELEASE_PACKAGE)
+    release.loss_scale_optimizer, release.apply_gradients  # noqa: B018
+  except (ImportError, AttributeError) as e:
+    print(f"the release does not serve ({e!r}): left out", flush=True)
+    return None
+  return release
+
+
+def _release_fused(release: Any) -> Config:
+  """The release's fused step: `apply_gradients(loss_scale_optimizer(...))`."""
+
+  def config(lr: float) -> tuple[Any, Any]:
+    tx = release.loss_scale_optimizer(
+      optax.adam(lr), release.DynamicLossScale(step_overhead.SCALE)
+    )
+
+    def step(params, state, grads):
+      return release.apply_gradients(tx, grads, state, params)
+
+    return tx.init, step
+
+  return config
+
+
+def configs(release: Any | None, rev: str) -> dict[str, Config]:
+  """The configurations, by column name, plain Adam first."""
+  out: dict[str, Config] = {
+    "plain adam": lambda lr: step_overhead.optax_step(optax.adam(lr)),
+    "adam in one lax.cond": _adam_in_one_cond,
+  }
+  if release is not None:
+    out[f"fused at {rev}"] = _release_fused(release)
+  out["fused"] = lambda lr: step_overhead.fused_step(lr)
+  out["fused, no record"] = lambda lr: step_overhead.fused_step(
+    lr, record=False
+  )
+  return out
+
+
+def first_compile(config: Config, params: Any, lr: float) -> float:
+  """Seconds to lower and compile `config(lr)`'s donated step on `params`."""
+  init, step = config(lr)
+  p = jax.tree.map(jnp.copy, params)
+  grads = jax.tree.map(lambda x: x * 1e-3, params)
+  return _timing.compile_step(step, p, init(p), grads)[1]
+
+
+def _cell(seconds: list[float], base: list[float]) -> str:
+  """The median ratio to `base`'s median, and the range of single ratios."""
+  ratios = np.asarray(seconds) / np.median(base)
+  median = np.median(seconds) / np.median(base)
+  return f"{median:.2f}x ({ratios.min():.2f}-{ratios.max():.2f})"
+
+
+def compile_rows(
+  compiles: int, leaves: list[int], named: dict[str, Config]
+) -> tuple[str, list[str]]:
+  """The first-compile table's head and rows, printed as they come."""
+  names = list(named)
+  columns = ["workload", "plain adam (s)", *names[1:]]
+  head = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns)
+  print(head, flush=True)
+  rows = []
+  for n in leaves:
+    params = step_overhead.make_tree(n, 1000)
+    seconds: dict[str, list[float]] = {c: [] for c in names}
+    for k in range(compiles):
+      for name in names[k % len(names) :] + names[: k % len(names)]:
+        seconds[name].append(first_compile(named[name], params, 1e-3 * (2 + k)))
+    base = seconds["plain adam"]
+    cells = [f"{n} leaves x 1000", f"{np.median(base):.2f}"]
+    cells += [_cell(seconds[c], base) for c in names[1:]]
+    rows.append("| " + " | ".join(cells) + " |")
+    print(rows[-1], flush=True)
+  return head, rows
+
+
+_PASS = re.compile(r"HLO pass: (.+?) time: ([0-9.]+) (us|ms|s)\b")
+_PIPELINE = re.compile(r"Running HLO pass pipeline on module (\S+?): (.+)$")
+_UNIT = {"us": 1e-3, "ms": 1.0, "s": 1e3}
+
+
+def pass_times(log: str, module: str = "jit_step") -> Counter[str]:
+  """Milliseconds per HLO pass of `module` in XLA's log.
+
+  Nested pipelines (which XLA logs as passes too, their inner passes
+  included) are left out, so that nothing is counted twice.
+  """
+  times: Counter[str] = Counter()
+  pipelines, current = set(), ""
+  for line in log.splitlines():
+    found = _PIPELINE.search(line)
+    if found:
+      current = found.group(1)
+      pipelines.add(found.group(2).strip())
+      continue
+    found = _PASS.search(line)
+    if found and current == module:
+      times[found.group(1)] += float(found.group(2)) * _UNIT[found.group(3)]
+  for name in pipelines:
+    times.pop(name, None)
+  return times
+
+
+def _child_log(name: str, leaves: int, root: str | None, rev: str) -> str:
+  """XLA's log of one compile of `name` at `leaves` leaves, in a child."""
+  env = dict(
+    os.environ,
+    TF_CPP_MIN_LOG_LEVEL="0",
+    TF_CPP_VMODULE="hlo_pass_pipeline=1",
+  )
+  command = [sys.executable, __file__, "--logged-compile", name]
+  command += ["--leaves", str(leaves), "--release", rev]
+  command += ["--release-root", root or ""]
+  run = subprocess.run(command, env=env, capture_output=True, text=True)
+  if run.returncode != 0:
+    raise RuntimeError(f"compiling {name!r} failed:\n{run.stderr[-2000:]}")
+  return run.stdout + run.stderr
+
+
+def pass_rows(
+  names: list[str], leaves: int, root: str | None, rev: str
+) -> list[str]:
+  """The pass table (ms): one compile of each configuration, in a child."""
+  times = {n: pass_times(_child_log(n, leaves, root, rev)) for n in names}
+  empty = [n for n, t in times.items() if not t]
+  if empty:
+    raise RuntimeError(f"no pass times found in XLA's log for {empty}")
+  top = [p for p, _ in times["fused"].most_common(TOP_PASSES)]
+  cells = {p: [f"{times[n][p]:.0f}" for n in names] for p in top}
+  cells["all passes"] = [f"{sum(times[n].values()):.0f}" for n in names]
+  rows = ["| pass (ms) | " + " | ".join(names) + " |"]
+  rows.append("|" + "---|" * (len(names) + 1))
+  rows += [f"| {p} | " + " | ".join(c) + " |" for p, c in cells.items()]
+  print("\n".join(rows), flush=True)
+  return rows
+
+
+TEXT = (
+  "Median of {compiles} first compiles (lower and compile, fresh HLO each),"
+  " the configurations in turns in one process (the order rotated each"
+  " round), as ratios to plain Adam's median, with the range of the single"
+  " compiles' ratios in brackets. `fused` is `LossScaleOptimizer(adam,"
+  " DynamicLossScale(2**10)).apply_gradients`, donated, as every step here"
+  " is; `no record` is its state without a skip record. `adam in one"
+  " lax.cond` is plain Adam inside one conditional on a gradient's"
+  " finiteness, with no check, unscaling or record: what the conditional"
+  " alone costs to compile on this backend."
+)
+RELEASE_TEXT = (
+  " `fused at {rev}` is the fused step of commit `{rev}`"
+  " (`apply_gradients(loss_scale_optimizer(adam, DynamicLossScale(2**10)))`,"
+  " before `LossScaleOptimizer` and skip records), compiled by the same JAX"
+  " in the same process."
+)
+PASS_TEXT = (
+  "XLA's own time per HLO pass for one compile of each at"
+  " {leaves} leaves (its log, `TF_CPP_VMODULE=hlo_pass_pipeline=1`),"
+  " the passes that take the fused step the longest, and all passes"
+  " together (nested pipelines left out); the rest of a compile is mostly"
+  " code generation."
+)
+
+
+def _logged_compile(name: str, leaves: int, root: str | None, rev: str) -> None:
+  """In the child: one compile of `name` at `leaves` leaves."""
+  params = step_overhead.make_tree(leaves, 1000)
+  first_compile(configs(import_release(root), rev)[name], params, 1.234e-3)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--compiles", type=int, default=3)
+  parser.add_argument("--release", default=RELEASE)
+  parser.add_argument("--leaves", type=int, nargs="+", default=[400, 2000])
+  parser.add_argument("--no-passes", action="store_true")
+  parser.add_argument("--out", default=os.path.dirname(__file__))
+  parser.add_argument("--logged-compile", help=argparse.SUPPRESS)
+  parser.add_argument("--release-root", help=argparse.SUPPRESS)
+  args = parser.parse_args()
+  # A persistent cache would serve a repeated program without compiling it.
+  jax.config.update("jax_enable_compilation_cache", False)
+  if args.logged_compile:
+    root = args.release_root or None
+    _logged_compile(args.logged_compile, args.leaves[0], root, args.release)
+    return
+  print(_timing.header(), flush=True)
+  with tempfile.TemporaryDirectory() as tmp:
+    root = tmp if args.release and extract_release(args.release, tmp) else None
+    release = import_release(root)
+    root = root if release is not None else None
+    named = configs(release, args.release)
+    head, rows = compile_rows(args.compiles, args.leaves, named)
+    text = "# First compile of the fused step\n\n" + _timing.header() + "\n\n"
+    text += TEXT.format(compiles=args.compiles)
+    text += RELEASE_TEXT.format(rev=args.release) if release else ""
+    text += "\n\n" + head + "\n" + "\n".join(rows) + "\n"
+    if not args.no_passes:
+      passes = pass_rows(list(named), args.leaves[0], root, args.release)
+      text += "\n" + PASS_TEXT.format(leaves=args.leaves[0]) + "\n\n"
+      text += "\n".join(passes) + "\n"
+  with open(os.path.join(args.out, "COMPILE.md"), "w") as f:
+    f.write(text)
+
+
+if __name__ == "__main__":
+  main()
