@@ -1,27 +1,31 @@
 """The fused step's first compile against plain Adam's, and where it goes.
 
 Usage: PYTHONPATH=. python benchmarks/first_compile.py [--compiles N]
-         [--release REV] [--leaves N [N ...]] [--no-passes] [--out DIR]
+         [--baseline REV] [--leaves N [N ...]] [--no-passes] [--out DIR]
 
 Two tables, written to benchmarks/COMPILE.md:
 
 - First compiles at 400 and 2000 leaves of 1000: plain Adam, plain Adam
   inside one `lax.cond` (nothing else: what the conditional alone costs),
-  the fused step at commit `REV` (default `7f7800e`, the first fused step,
-  `apply_gradients(loss_scale_optimizer(...))`, before `LossScaleOptimizer`;
+  the fused step at commit `REV` (default `7f7800e`, the last fused step
+  before `LossScaleOptimizer`, `apply_gradients(loss_scale_optimizer(...))`;
   read with `git archive`, and left out where git, the commit or its import
-  fails; `--release ""` leaves it out), and this checkout's fused step
+  fails; `--baseline ""` leaves it out), and this checkout's fused step
   (`LossScaleOptimizer.apply_gradients`) with and without a skip record. The
   median of `--compiles` fresh compiles (a learning rate apart, so that none
   is served from JAX's caches), the configurations in turns in one process,
-  the order rotated each round, as ratios to plain Adam's median, with the
-  range of the single ratios.
+  the order rotated each round: the median and the range of each round's
+  ratio to plain Adam's compile in the same round. The times include JAX's
+  tracing and lowering.
 - XLA's time per HLO pass for one compile of each at the first of
   `--leaves` (400 by default), from its
   own log (`TF_CPP_VMODULE=hlo_pass_pipeline=1`, in a child process per
   configuration), the passes that take the fused step the longest; nested
-  pipelines are left out so that nothing is counted twice. `--no-passes`
-  leaves it out.
+  pipelines are left out so that nothing is counted twice. A pass is
+  credited to the module whose pipeline last started: right on XLA's CPU
+  backend, which compiles one module at a time; a backend that compiles
+  other modules inside a pass (GPU autotuning) may lose the passes after
+  it. `--no-passes` leaves the table out.
 """
 
 from __future__ import annotations
@@ -46,8 +50,8 @@ import numpy as np
 import optax
 import step_overhead
 
-RELEASE = "7f7800e"
-RELEASE_PACKAGE = "optax_lossscale_release"
+BASELINE = "7f7800e"
+BASELINE_PACKAGE = "optax_lossscale_baseline"
 TOP_PASSES = 6
 
 Config = Callable[[float], tuple[Any, Any]]
@@ -72,10 +76,10 @@ def _adam_in_one_cond(lr: float) -> tuple[Any, Any]:
   return tx.init, step
 
 
-def extract_release(rev: str, root: str) -> bool:
+def extract_baseline(rev: str, root: str) -> bool:
   """Writes the package at commit `rev` to `root`, renamed; False if it can't.
 
-  The copy is `optax_lossscale_release`, importable beside this checkout's
+  The copy is `optax_lossscale_baseline`, importable beside this checkout's
   package once `root` is on the path.
   """
   try:
@@ -91,57 +95,57 @@ def extract_release(rev: str, root: str) -> bool:
   safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
   with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
     archive.extractall(root, **safe)
-  package = os.path.join(root, RELEASE_PACKAGE)
+  package = os.path.join(root, BASELINE_PACKAGE)
   os.rename(os.path.join(root, "optax_lossscale"), package)
   for folder, _, files in os.walk(package):
     for name in files:
       if name.endswith(".py"):
         path = os.path.join(folder, name)
         with open(path) as f:
-          text = f.read().replace("optax_lossscale", RELEASE_PACKAGE)
+          text = f.read().replace("optax_lossscale", BASELINE_PACKAGE)
         with open(path, "w") as f:
           f.write(text)
   return True
 
 
-def import_release(root: str | None) -> Any | None:
-  """The package `extract_release` wrote to `root`; None if it won't serve."""
+def import_baseline(root: str | None) -> Any | None:
+  """The package `extract_baseline` wrote to `root`; None if it won't serve."""
   if root is None:
     return None
   sys.path.insert(0, root)
   try:
-    release = importlib.import_module(RELEASE_PACKAGE)
-    release.loss_scale_optimizer, release.apply_gradients  # noqa: B018
+    baseline = importlib.import_module(BASELINE_PACKAGE)
+    baseline.loss_scale_optimizer, baseline.apply_gradients  # noqa: B018
   except (ImportError, AttributeError) as e:
-    print(f"the release does not serve ({e!r}): left out", flush=True)
+    print(f"the baseline does not serve ({e!r}): left out", flush=True)
     return None
-  return release
+  return baseline
 
 
-def _release_fused(release: Any) -> Config:
-  """The release's fused step: `apply_gradients(loss_scale_optimizer(...))`."""
+def _baseline_fused(baseline: Any) -> Config:
+  """The baseline's fused step: `apply_gradients(loss_scale_optimizer(...))`."""
 
   def config(lr: float) -> tuple[Any, Any]:
-    tx = release.loss_scale_optimizer(
-      optax.adam(lr), release.DynamicLossScale(step_overhead.SCALE)
+    tx = baseline.loss_scale_optimizer(
+      optax.adam(lr), baseline.DynamicLossScale(step_overhead.SCALE)
     )
 
     def step(params, state, grads):
-      return release.apply_gradients(tx, grads, state, params)
+      return baseline.apply_gradients(tx, grads, state, params)
 
     return tx.init, step
 
   return config
 
 
-def configs(release: Any | None, rev: str) -> dict[str, Config]:
+def configs(baseline: Any | None, rev: str) -> dict[str, Config]:
   """The configurations, by column name, plain Adam first."""
   out: dict[str, Config] = {
     "plain adam": lambda lr: step_overhead.optax_step(optax.adam(lr)),
     "adam in one lax.cond": _adam_in_one_cond,
   }
-  if release is not None:
-    out[f"fused at {rev}"] = _release_fused(release)
+  if baseline is not None:
+    out[f"fused at {rev}"] = _baseline_fused(baseline)
   out["fused"] = lambda lr: step_overhead.fused_step(lr)
   out["fused, no record"] = lambda lr: step_overhead.fused_step(
     lr, record=False
@@ -158,10 +162,10 @@ def first_compile(config: Config, params: Any, lr: float) -> float:
 
 
 def _cell(seconds: list[float], base: list[float]) -> str:
-  """The median ratio to `base`'s median, and the range of single ratios."""
-  ratios = np.asarray(seconds) / np.median(base)
-  median = np.median(seconds) / np.median(base)
-  return f"{median:.2f}x ({ratios.min():.2f}-{ratios.max():.2f})"
+  """The median and range of the rounds' ratios of `seconds` to `base`."""
+  ratios = np.asarray(seconds) / np.asarray(base)
+  low, median, high = np.min(ratios), np.median(ratios), np.max(ratios)
+  return f"{median:.2f}x ({low:.2f}-{high:.2f})"
 
 
 def compile_rows(
@@ -172,6 +176,8 @@ def compile_rows(
   columns = ["workload", "plain adam (s)", *names[1:]]
   head = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns)
   print(head, flush=True)
+  # One compile first, discarded: the process's one-time costs.
+  first_compile(named["plain adam"], step_overhead.make_tree(8, 1000), 0.5)
   rows = []
   for n in leaves:
     params = step_overhead.make_tree(n, 1000)
@@ -180,7 +186,8 @@ def compile_rows(
       for name in names[k % len(names) :] + names[: k % len(names)]:
         seconds[name].append(first_compile(named[name], params, 1e-3 * (2 + k)))
     base = seconds["plain adam"]
-    cells = [f"{n} leaves x 1000", f"{np.median(base):.2f}"]
+    spread = f"{np.min(base):.2f}-{np.max(base):.2f}"
+    cells = [f"{n} leaves x 1000", f"{np.median(base):.2f} ({spread})"]
     cells += [_cell(seconds[c], base) for c in names[1:]]
     rows.append("| " + " | ".join(cells) + " |")
     print(rows[-1], flush=True)
@@ -221,9 +228,11 @@ def _child_log(name: str, leaves: int, root: str | None, rev: str) -> str:
     TF_CPP_MIN_LOG_LEVEL="0",
     TF_CPP_VMODULE="hlo_pass_pipeline=1",
   )
+  # A global level would log every XLA file and time the logging.
+  env.pop("TF_CPP_MAX_VLOG_LEVEL", None)
   command = [sys.executable, __file__, "--logged-compile", name]
-  command += ["--leaves", str(leaves), "--release", rev]
-  command += ["--release-root", root or ""]
+  command += ["--leaves", str(leaves), "--baseline", rev]
+  command += ["--baseline-root", root or ""]
   run = subprocess.run(command, env=env, capture_output=True, text=True)
   if run.returncode != 0:
     raise RuntimeError(f"compiling {name!r} failed:\n{run.stderr[-2000:]}")
@@ -251,64 +260,66 @@ def pass_rows(
 TEXT = (
   "Median of {compiles} first compiles (lower and compile, fresh HLO each),"
   " the configurations in turns in one process (the order rotated each"
-  " round), as ratios to plain Adam's median, with the range of the single"
-  " compiles' ratios in brackets. `fused` is `LossScaleOptimizer(adam,"
+  " round): the median of the rounds' ratios to plain Adam's compile in the"
+  " same round, and their range in brackets (plain Adam's own seconds: the"
+  " median and range). The times include JAX's tracing and lowering. `fused` is `LossScaleOptimizer(adam,"
   " DynamicLossScale(2**10)).apply_gradients`, donated, as every step here"
   " is; `no record` is its state without a skip record. `adam in one"
   " lax.cond` is plain Adam inside one conditional on a gradient's"
   " finiteness, with no check, unscaling or record: what the conditional"
   " alone costs to compile on this backend."
 )
-RELEASE_TEXT = (
+BASELINE_TEXT = (
   " `fused at {rev}` is the fused step of commit `{rev}`"
   " (`apply_gradients(loss_scale_optimizer(adam, DynamicLossScale(2**10)))`,"
-  " before `LossScaleOptimizer` and skip records), compiled by the same JAX"
-  " in the same process."
+  " the last before `LossScaleOptimizer` and skip records), compiled by the"
+  " same JAX in the same process."
 )
 PASS_TEXT = (
   "XLA's own time per HLO pass for one compile of each at"
   " {leaves} leaves (its log, `TF_CPP_VMODULE=hlo_pass_pipeline=1`),"
   " the passes that take the fused step the longest, and all passes"
-  " together (nested pipelines left out); the rest of a compile is mostly"
-  " code generation."
+  " together (nested pipelines left out)."
 )
 
 
 def _logged_compile(name: str, leaves: int, root: str | None, rev: str) -> None:
   """In the child: one compile of `name` at `leaves` leaves."""
   params = step_overhead.make_tree(leaves, 1000)
-  first_compile(configs(import_release(root), rev)[name], params, 1.234e-3)
+  first_compile(configs(import_baseline(root), rev)[name], params, 1.234e-3)
 
 
 def main() -> None:
   parser = argparse.ArgumentParser()
   parser.add_argument("--compiles", type=int, default=3)
-  parser.add_argument("--release", default=RELEASE)
+  parser.add_argument("--baseline", default=BASELINE)
   parser.add_argument("--leaves", type=int, nargs="+", default=[400, 2000])
   parser.add_argument("--no-passes", action="store_true")
   parser.add_argument("--out", default=os.path.dirname(__file__))
   parser.add_argument("--logged-compile", help=argparse.SUPPRESS)
-  parser.add_argument("--release-root", help=argparse.SUPPRESS)
+  parser.add_argument("--baseline-root", help=argparse.SUPPRESS)
   args = parser.parse_args()
   # A persistent cache would serve a repeated program without compiling it.
   jax.config.update("jax_enable_compilation_cache", False)
   if args.logged_compile:
-    root = args.release_root or None
-    _logged_compile(args.logged_compile, args.leaves[0], root, args.release)
+    root = args.baseline_root or None
+    _logged_compile(args.logged_compile, args.leaves[0], root, args.baseline)
     return
   print(_timing.header(), flush=True)
   with tempfile.TemporaryDirectory() as tmp:
-    root = tmp if args.release and extract_release(args.release, tmp) else None
-    release = import_release(root)
-    root = root if release is not None else None
-    named = configs(release, args.release)
+    root = (
+      tmp if args.baseline and extract_baseline(args.baseline, tmp) else None
+    )
+    baseline = import_baseline(root)
+    root = root if baseline is not None else None
+    named = configs(baseline, args.baseline)
     head, rows = compile_rows(args.compiles, args.leaves, named)
     text = "# First compile of the fused step\n\n" + _timing.header() + "\n\n"
     text += TEXT.format(compiles=args.compiles)
-    text += RELEASE_TEXT.format(rev=args.release) if release else ""
+    text += BASELINE_TEXT.format(rev=args.baseline) if baseline else ""
     text += "\n\n" + head + "\n" + "\n".join(rows) + "\n"
     if not args.no_passes:
-      passes = pass_rows(list(named), args.leaves[0], root, args.release)
+      passes = pass_rows(list(named), args.leaves[0], root, args.baseline)
       text += "\n" + PASS_TEXT.format(leaves=args.leaves[0]) + "\n\n"
       text += "\n".join(passes) + "\n"
   with open(os.path.join(args.out, "COMPILE.md"), "w") as f:
