@@ -7,7 +7,9 @@ Two tables, written to benchmarks/COMPILE.md:
 
 - First compiles at 400 and 2000 leaves of 1000: plain Adam, plain Adam
   inside one `lax.cond` (nothing else: what the conditional alone costs),
-  the fused step at commit `REV` (default `7f7800e`, the last fused step
+  the same with its gradients unscaled inside the `cond` by a scale in its
+  state (what a loss-scaled step adds before its check and record), the
+  fused step at commit `REV` (default `7f7800e`, the last fused step
   before `LossScaleOptimizer`, `apply_gradients(loss_scale_optimizer(...))`;
   read with `git archive`, and left out where git, the commit or its import
   fails; `--baseline ""` leaves it out), and this checkout's fused step
@@ -57,23 +59,36 @@ TOP_PASSES = 6
 Config = Callable[[float], tuple[Any, Any]]
 
 
-def _adam_in_one_cond(lr: float) -> tuple[Any, Any]:
+def _adam_in_one_cond(lr: float, unscale: bool = False) -> tuple[Any, Any]:
   """Plain Adam inside one `lax.cond` on a gradient's finiteness.
 
   The conditional's own cost, which any step that skips with one pays: no
-  check, unscaling or record. Returns `(init, step)`.
+  check or record. With `unscale`, the gradients are unscaled inside the
+  `cond` by a scale the state carries (multiplied by its reciprocal, as a
+  loss scale's `unscale` does): what every loss-scaled step adds to it
+  before its check. Returns `(init, step)`.
   """
   tx = optax.adam(lr)
 
+  def init(params):
+    return tx.init(params), jnp.float32(step_overhead.SCALE)
+
   def step(params, state, grads):
-    def apply(params, state):
-      updates, state = tx.update(grads, state, params)
-      return optax.apply_updates(params, updates), state
+    inner, scale = state
+
+    def apply(params, inner):
+      if unscale:
+        grads_ = jax.tree.map(lambda g: g * (1 / scale), grads)
+      else:
+        grads_ = grads
+      updates, inner = tx.update(grads_, inner, params)
+      return optax.apply_updates(params, updates), inner
 
     pred = jnp.isfinite(jax.tree.leaves(grads)[0].ravel()[0])
-    return jax.lax.cond(pred, apply, lambda p, s: (p, s), params, state)
+    params, inner = jax.lax.cond(pred, apply, lambda *x: x, params, inner)
+    return params, (inner, scale)
 
-  return tx.init, step
+  return init, step
 
 
 def extract_baseline(rev: str, root: str) -> bool:
@@ -143,6 +158,9 @@ def configs(baseline: Any | None, rev: str) -> dict[str, Config]:
   out: dict[str, Config] = {
     "plain adam": lambda lr: step_overhead.optax_step(optax.adam(lr)),
     "adam in one lax.cond": _adam_in_one_cond,
+    "adam in one lax.cond, unscaled": lambda lr: _adam_in_one_cond(
+      lr, unscale=True
+    ),
   }
   if baseline is not None:
     out[f"fused at {rev}"] = _baseline_fused(baseline)
@@ -262,12 +280,16 @@ TEXT = (
   " the configurations in turns in one process (the order rotated each"
   " round): the median of the rounds' ratios to plain Adam's compile in the"
   " same round, and their range in brackets (plain Adam's own seconds: the"
-  " median and range). The times include JAX's tracing and lowering. `fused` is `LossScaleOptimizer(adam,"
+  " median and range). The times include JAX's tracing and lowering."
+  " `fused` is `LossScaleOptimizer(adam,"
   " DynamicLossScale(2**10)).apply_gradients`, donated, as every step here"
   " is; `no record` is its state without a skip record. `adam in one"
   " lax.cond` is plain Adam inside one conditional on a gradient's"
   " finiteness, with no check, unscaling or record: what the conditional"
-  " alone costs to compile on this backend."
+  " alone costs to compile on this backend. `unscaled` is the same with its"
+  " gradients multiplied inside the conditional by the reciprocal of a scale"
+  " its state carries: what any loss-scaled step costs before its check and"
+  " record."
 )
 BASELINE_TEXT = (
   " `fused at {rev}` is the fused step of commit `{rev}`"

@@ -389,7 +389,12 @@ def test_first_compile_quick_run_writes_both_tables(tmp_path):
   text = (tmp_path / "COMPILE.md").read_text()
   assert not _header_problems(text, ("benchmarks/first_compile.py",))
   header, rows = _table(text, "| workload |")
-  assert header[2:] == ["adam in one lax.cond", "fused", "fused, no record"]
+  assert header[2:] == [
+    "adam in one lax.cond",
+    "adam in one lax.cond, unscaled",
+    "fused",
+    "fused, no record",
+  ]
   assert [r[0] for r in rows] == ["8 leaves x 1000"]
   header, rows = _table(text, "| pass (ms) |")
   assert header[1:] == ["plain adam", *_table(text, "| workload |")[0][2:]]
@@ -423,3 +428,37 @@ def test_first_compile_builds_the_baseline_commits_fused_step(
   with jax.numpy_dtype_promotion("standard"):
     new_params, _ = jax.jit(step)(params, init(params), grads)
   assert np.array_equal(new_params["a"], params["a"])  # skipped: not finite
+
+
+def test_first_compile_unscaled_column_is_adam_on_unscaled_gradients(
+  first_compile,
+):
+  # Optax's Adam under JAX's default promotion, as the script runs it.
+  with jax.numpy_dtype_promotion("standard"):
+    _unscaled_column_is_adam(first_compile)
+
+
+def _unscaled_column_is_adam(first_compile):
+  import optax
+  import step_overhead
+
+  init, step = first_compile.configs(None, "")[
+    "adam in one lax.cond, unscaled"
+  ](1e-3)
+  params = {"a": jax.numpy.ones(3), "b": jax.numpy.zeros((2, 2))}
+  # Near Adam's epsilon, where its update tells scaled from unscaled.
+  grads = {
+    "a": jax.numpy.array([1.0, -2.0, 0.5]) * 1e-8,
+    "b": params["b"] + 3e-9,
+  }
+  scaled = jax.tree.map(lambda g: g * step_overhead.SCALE, grads)
+  new_params, (_, scale) = jax.jit(step)(params, init(params), scaled)
+  tx = optax.adam(1e-3)
+  updates, _ = tx.update(grads, tx.init(params), params)
+  expected = optax.apply_updates(params, updates)
+  assert scale == step_overhead.SCALE
+  for k in params:  # left scaled, the update would be 2x to 4x larger
+    np.testing.assert_allclose(new_params[k], expected[k], rtol=1e-6)
+  bad = dict(scaled, a=scaled["a"].at[0].set(np.nan))
+  skipped, _ = jax.jit(step)(params, init(params), bad)
+  assert all(np.array_equal(skipped[k], params[k]) for k in params)
