@@ -77,11 +77,11 @@ def _adam_in_one_cond(lr: float, unscale: bool = False) -> tuple[Any, Any]:
     inner, scale = state
 
     def apply(params, inner):
-      if unscale:
-        grads_ = jax.tree.map(lambda g: g * (1 / scale), grads)
-      else:
-        grads_ = grads
-      updates, inner = tx.update(grads_, inner, params)
+      unscaled = grads
+      if unscale:  # one reciprocal, as a loss scale's `unscale` computes
+        inverse = 1 / scale
+        unscaled = jax.tree.map(lambda g: g * inverse, grads)
+      updates, inner = tx.update(unscaled, inner, params)
       return optax.apply_updates(params, updates), inner
 
     pred = jnp.isfinite(jax.tree.leaves(grads)[0].ravel()[0])
