@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+import warnings
 from typing import Any, TypeVar
 
 import jax
@@ -10,243 +11,173 @@ import numpy as np
 
 from optax_lossscale import _validation
 from optax_lossscale._loss_scale import (
+  STATE_DTYPES,
   DynamicLossScale,
   LossScale,
-  check_state_values,
 )
-from optax_lossscale._states import (
-  SKIP_RECORD_SCALARS,
-  LossScaleOptimizerState,
-  first_copy,
-)
+from optax_lossscale._states import LossScaleOptimizerState
 
 __all__ = ["check_state"]
 
 T = TypeVar("T")
-
-# The counters of `LossScaleOptimizerState`, int32 arrays of the shape of its
-# `should_apply`.
-_COUNTERS = (
-  "skipped_steps",
-  "consecutive_skipped_steps",
-  "nonfinite_loss_steps",
-  "retries",
+_COUNTERS = ["skipped_steps", "consecutive_skipped_steps"]
+_COUNTERS += ["nonfinite_loss_steps", "retries"]
+_RECORD_DTYPES: dict[str, Any] = dict(
+  loss_scale=np.float32, next_loss_scale=np.float32
 )
-_RECORD_COUNTERS = ("skipped_steps", "consecutive_skipped_steps")
-_CALL = "`check_state(tree)`"
-# A shape every array of a state must have, and the field that gave it.
-Batch = tuple[str, tuple[int, ...]] | None
+_RECORD_DTYPES |= dict(consecutive_skipped_steps=np.int32, leaf_names=np.uint8)
+_RECORD_DTYPES |= dict.fromkeys(
+  ["loss_given", "loss_finite", "at_floor", "nonfinite"], np.bool_
+)
 
 
-def _field(path: str, name: str) -> str:
-  """Where a field is, for a message: `check_state(tree)`: `tree.x.name`."""
-  return f"{_CALL}: `{path}.{name}`"
-
-
-def _is_found(x: Any) -> bool:
-  return isinstance(x, (LossScale, LossScaleOptimizerState))
-
-
-def _unwrapped(x: Any) -> Any:
-  """`x`, or the one array inside a container such as Flax NNX's variables."""
-  if x is None or isinstance(
-    x, (jax.Array, np.ndarray, np.generic, numbers.Number)
-  ):
+def _array(x: Any) -> Any:
+  """`x`, or the one array inside a container such as an NNX variable."""
+  if isinstance(x, (jax.Array, np.ndarray, np.generic, numbers.Number)):
     return x
   leaves = jax.tree.leaves(x)
   return leaves[0] if len(leaves) == 1 else x
 
 
-def _check_array(
-  where: str, value: Any, dtype: Any, batch: Batch, extra_axis: bool = False
+def _check(
+  where: str, value: Any, dtype: Any, shape: Any, low: float, high: float
 ) -> None:
-  """Raises unless `value` is of `dtype` and of the batch's shape."""
-  _validation.state_dtype(where, value, dtype, convert=False)
-  _check_shape(where, value, batch, extra_axis)
-
-
-def _check_shape(
-  where: str, value: Any, batch: Batch, extra_axis: bool = False
-) -> None:
-  """Raises unless `value` has the batch's shape (plus one trailing axis)."""
-  shape = _validation.shape_of(value)
-  if batch is None or shape is None:
-    return
-  of, expected = batch
-  if extra_axis and len(shape) != len(expected) + 1:
-    raise ValueError(
-      f"{where} must have the shape of {of}, {expected}, plus one axis, got"
-      f" {shape}."
+  """`value`'s dtype, its leading shape (the state's batch), its range."""
+  value = _array(value)
+  if isinstance(value, numbers.Number) or value is None:
+    raise TypeError(
+      f"{where} must be a {np.dtype(dtype)} array, got {value!r}."
     )
-  _validation.same_shape(
-    where, shape[:-1] if extra_axis else shape, of, expected
+  _validation.array_dtype(where, value, dtype)
+  if shape is not None and np.shape(value)[: len(shape)] != shape:
+    raise ValueError(
+      f"{where} must have the state's leading shape {shape}, got"
+      f" {np.shape(value)}."
+    )
+  _validation.in_range(where, value, low, high)
+
+
+def _check_loss_scale(ls: LossScale, path: str, shape: Any) -> None:
+  """A `DynamicLossScale`'s state; says what it keeps past its bounds."""
+  if not isinstance(ls, DynamicLossScale):
+    return
+  bounds: dict[
+    str, Any
+  ] = {  # valid under any hyperparameters, and usual under these
+    "current_loss_scale": (
+      (np.finfo(np.float32).tiny, np.finfo(np.float32).max),
+      (ls.min_loss_scale, ls.max_loss_scale or np.inf),
+      "TensorFlow's rule moves it from there",
+    ),
+    "num_good_steps": (
+      (0, np.inf),
+      (0, ls.increment_period - 1),
+      "the next finite step grows the scale",
+    ),
+    "num_bad_steps": (
+      (0, np.inf),
+      (0, ls.hysteresis),
+      "the next non-finite step lowers the scale",
+    ),
+  }
+  for name, (valid, (low, high), then) in bounds.items():
+    where = f"`{path}.{name}`"
+    value = getattr(ls, name)
+    _check(where, value, STATE_DTYPES[name], shape, *valid)
+    values = _validation.host_values(_array(value))
+    outside = np.zeros(0) if values is None else values
+    outside = outside[(outside < low) | (outside > high)]
+    if len(outside):
+      warnings.warn(
+        f"`check_state(tree)` kept {where} = {outside[0].item()!r}, outside"
+        f" [{low:g}, {high:g}] for these hyperparameters: {then}.",
+        stacklevel=4,
+      )
+
+
+def _check_optimizer_state(state: LossScaleOptimizerState, path: str) -> None:
+  should_apply = _array(state.should_apply)
+  _check(f"`{path}.should_apply`", should_apply, np.bool_, None, 0, 1)
+  shape = np.shape(should_apply)
+  for name in _COUNTERS:
+    where = f"`{path}.{name}`"
+    _check(where, getattr(state, name), np.int32, shape, 0, np.inf)
+  skipped, consecutive = (
+    _validation.host_values(_array(getattr(state, n))) for n in _COUNTERS[:2]
   )
-
-
-def _batch(path: str, name: str, value: Any) -> Batch:
-  """The shape every array of a state must share: `value`'s."""
-  shape = _validation.shape_of(value)
-  return None if shape is None else (f"`{path}.{name}`", shape)
-
-
-def _check_counters(
-  state: LossScaleOptimizerState, path: str, batch: Batch
-) -> None:
-  counters = {name: _unwrapped(getattr(state, name)) for name in _COUNTERS}
-  for name, value in counters.items():
-    if value is not None:  # None in a state restored from 0.1.0
-      _check_array(_field(path, name), value, np.int32, batch)
-      _validation.elements(
-        _field(path, name), value, integer=True, low=0, expected="non-negative"
-      )
-  consecutive = _validation.host_pieces(counters["consecutive_skipped_steps"])
-  skipped = _validation.host_pieces(counters["skipped_steps"])
-  for (offset, c), (_, s) in zip(consecutive, skipped, strict=False):
-    c, s = np.broadcast_arrays(c, s)
-    index = _validation.first_bad(c <= s)
-    if index is not None:
-      raise ValueError(
-        f"{_field(path, 'consecutive_skipped_steps')} must be at most"
-        f" `skipped_steps`, got {_validation.element(offset, c, index)}"
-        f", with skipped_steps={s[index].item()!r}."
-      )
-
-
-def _name_count(leaf_names: Any) -> int | None:
-  """How many names `leaf_names` holds (newline-ended), if it is concrete."""
-  if isinstance(leaf_names, jax.core.Tracer) or not isinstance(
-    leaf_names, (jax.Array, np.ndarray)
+  if (
+    skipped is not None
+    and consecutive is not None
+    and (consecutive > skipped).any()
   ):
-    return None
-  raw = np.asarray(first_copy(leaf_names))
-  row = raw.reshape(-1, raw.shape[-1])[0] if raw.size else raw
-  return int(np.count_nonzero(row == ord("\n")))
-
-
-def _check_record(
-  state: LossScaleOptimizerState, path: str, batch: Batch
-) -> None:
-  """The last skip's fields have their dtypes and shapes, counters >= 0."""
-  record = state.last_skip
-  if record is None:  # a state restored from 0.1.0
-    return
-  path = f"{path}.last_skip"
-  for name, dtype in SKIP_RECORD_SCALARS.items():
-    value = _unwrapped(getattr(record, name))
-    _check_array(_field(path, name), value, dtype, batch)
-  nonfinite = _unwrapped(record.nonfinite)
-  leaf_names = _unwrapped(record.leaf_names)
-  _check_array(_field(path, "nonfinite"), nonfinite, np.bool_, batch, True)
-  _check_array(_field(path, "leaf_names"), leaf_names, np.uint8, batch, True)
-  for name in _RECORD_COUNTERS:
-    _validation.elements(
-      _field(path, name),
-      _unwrapped(getattr(record, name)),
-      integer=True,
-      low=0,
-      expected="non-negative",
-    )
-  count = _name_count(leaf_names)
-  shape = _validation.shape_of(nonfinite)
-  if count is not None and shape and shape[-1] != count:
     raise ValueError(
-      f"{_field(path, 'nonfinite')} must hold one flag per name in"
-      f" `{path}.leaf_names`, {count}, got shape {shape}."
+      f"`{path}.consecutive_skipped_steps` must be at most `skipped_steps`,"
+      f" got {consecutive.tolist()} > {skipped.tolist()}."
+    )
+  record = state.last_skip
+  for name, dtype in _RECORD_DTYPES.items():
+    where = f"`{path}.last_skip.{name}`"
+    _check(where, getattr(record, name), dtype, shape, 0, np.inf)
+  names = len(record.names())
+  flags = np.shape(_array(record.nonfinite))[-1:]
+  if flags != (names,):
+    raise ValueError(
+      f"`{path}.last_skip.nonfinite` must hold one flag per leaf name"
+      f" ({names}), got shape {np.shape(_array(record.nonfinite))}."
     )
 
 
-def _check_loss_scale(loss_scale: LossScale, path: str, batch: Batch) -> None:
-  """A `DynamicLossScale`'s state: dtypes, one shape, values in range."""
-  if not isinstance(loss_scale, DynamicLossScale):
-    return
-  names = ["current_loss_scale", "num_good_steps"]
-  if loss_scale.hysteresis > 1:
-    names.append("hysteresis_budget")
-  state = {name: _unwrapped(getattr(loss_scale, name)) for name in names}
-  check_state_values(loss_scale, state, lambda name: _field(path, name))
-  if batch is None:
-    batch = _batch(path, names[0], state[names[0]])
-  for name, value in state.items():
-    _check_shape(_field(path, name), value, batch)
-
-
-def _check_optimizer_state(state: LossScaleOptimizerState, path: str) -> int:
-  """Checks the state; returns how many loss scales it holds."""
-  should_apply = _unwrapped(state.should_apply)
-  _check_array(_field(path, "should_apply"), should_apply, np.bool_, None)
-  batch = _batch(path, "should_apply", should_apply)
-  _check_counters(state, path, batch)
-  found = 0
-  if isinstance(state.loss_scale, LossScale):
-    _check_loss_scale(state.loss_scale, f"{path}.loss_scale", batch)
-    found += 1
-  else:
-    key = jax.tree_util.GetAttrKey("loss_scale")
-    found += _walk(state.loss_scale, path, (key,))
-  _check_record(state, path, batch)
-  key = jax.tree_util.GetAttrKey("inner_state")
-  return found + _walk(state.inner_state, path, (key,))
-
-
-def _walk(tree: Any, root: str, prefix: tuple[Any, ...]) -> int:
-  """Checks what `tree` holds; returns how many loss scales were found."""
-  found = 0
-  nodes, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_found)
-  for keys, node in nodes:
-    path = f"{root}{jax.tree_util.keystr(prefix + tuple(keys))}"
+def _walk(tree: Any, root: str) -> int:
+  """Checks the states in `tree`; returns how many loss scales it holds."""
+  found = lambda x: isinstance(x, (LossScale, LossScaleOptimizerState))  # noqa: E731
+  count = 0
+  for keys, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=found)[
+    0
+  ]:
+    path = f"{root}{jax.tree_util.keystr(keys)}"
     if isinstance(node, LossScaleOptimizerState):
-      found += _check_optimizer_state(node, path)
+      _check_optimizer_state(node, path)
+      shape = np.shape(_array(node.should_apply))
+      _check_loss_scale(node.loss_scale, f"{path}.loss_scale", shape)
+      count += 1 + _walk(node.inner_state, f"{path}.inner_state")
     elif isinstance(node, LossScale):
       _check_loss_scale(node, path, None)
-      found += 1
-  return found
+      count += 1
+  return count
 
 
 def check_state(tree: T) -> T:
   """Checks the loss scales and skip counters in a pytree, on the host.
 
-  Finds every `LossScaleOptimizerState` and `LossScale` in `tree` (a restored
-  checkpoint, a Flax linen `TrainState`, an `nnx.Optimizer` or its
-  `opt_state`, an optimizer state of any nesting) and checks their arrays'
-  dtypes and shapes, and their concrete values, element by element for
-  states stacked over replicas (`pmap`) or ensemble members (`vmap`):
+  Finds every `LossScaleOptimizerState` and `LossScale` in `tree` (a
+  restored checkpoint, a linen `TrainState`, an `nnx.Optimizer`, any nested
+  optimizer state) and checks, element by element for states stacked over
+  replicas or ensemble members:
 
   - every array has its field's dtype: float32 scales, int32 counters, bool
-    flags (`should_apply`, the record's `loss_given`, `loss_finite`,
-    `at_floor` and `nonfinite`) and uint8 `last_skip.leaf_names`;
-  - every array has the shape of the state's `should_apply` (of its
-    `current_loss_scale`, for a bare loss scale), with one more axis for
-    `last_skip.nonfinite` (one flag per name in `leaf_names`) and
-    `last_skip.leaf_names`;
-  - a `DynamicLossScale`'s scale is finite and in `[min_loss_scale,
-    max_loss_scale]`, `num_good_steps` an integer in `[0,
-    increment_period)`, `hysteresis_budget` one in `[0, hysteresis]`;
-  - every counter of a `LossScaleOptimizerState` (`skipped_steps`,
-    `consecutive_skipped_steps`, `nonfinite_loss_steps`, `retries`) is
-    non-negative, and `consecutive_skipped_steps <= skipped_steps`; so are
-    the counters of its `last_skip` record.
+    flags, a uint8 `last_skip.leaf_names`;
+  - every array has the leading shape of its state's `should_apply`;
+  - scales are finite and positive, counters non-negative, and
+    `consecutive_skipped_steps <= skipped_steps`.
 
-  A checkpoint restored into a live run can carry a NaN scale, a negative
-  counter or a scale below `min_loss_scale`; unflattening (what a restore
-  does) does not check the state, so that it stays cheap under `jit`. Call
-  this after a restore: it returns its argument, so it can wrap the call.
-  It reads the values, so it waits for them; call it outside `jit`, where
-  it has concrete values to check (under `jit`, only dtypes and shapes are).
+  Unflattening a state (what a restore does) checks none of it, so that it
+  stays cheap under `jit`. A `DynamicLossScale`'s state is valid under any
+  hyperparameters: a checkpoint may restore into a loss scale configured
+  otherwise (another `hysteresis`, a shorter `increment_period`). Values
+  outside the new bounds are kept, and a `UserWarning` says which and what
+  the next step does with them. It reads the values, so it waits for them.
 
   Args:
     tree: any pytree holding at least one loss scale. Restore a checkpoint
-      into a target (a freshly initialised state): without one, Orbax returns
-      dicts, whose loss scales have lost their type and hyperparameters.
+      into a target built by `init`: without one, Orbax returns dicts.
 
   Returns:
     `tree`, unchanged.
 
   Raises:
-    ValueError: naming the field (its path in `tree`) and the offending value
-      (and its index, in a stacked state), or the shape it should have; or
-      if `tree` holds no loss scale.
-    TypeError: naming the field, if a value is not of its dtype (a uint8 or
-      Python int counter, a float16 scale).
+    ValueError: naming the field (its path in `tree`) and the offending
+      value, or the shape it should have; or if `tree` holds no loss scale.
+    TypeError: naming the field, if a value is not of its dtype.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -257,14 +188,12 @@ def check_state(tree: T) -> T:
     >>> ols.check_state(state._replace(skipped_steps=jnp.int32(-1)))
     Traceback (most recent call last):
     ...
-    ValueError: `check_state(tree)`: `tree.skipped_steps` must be non-negative, got -1.
+    ValueError: `tree.skipped_steps` must be at least 0, got -1.
   """
-  if not _walk(tree, "tree", ()):
+  if not _walk(tree, "tree"):
     raise ValueError(
-      f"{_CALL} found no loss scale in `tree` (a"
-      f" {type(tree).__name__}). Pass a tree that holds the optimizer state:"
-      " restore a checkpoint into a target, since a restore without one"
-      " gives dicts; with Flax NNX, check the `nnx.Optimizer` (or its"
-      " `opt_state`), not `nnx.state(...)`, after `nnx.update`."
+      f"`check_state(tree)` found no loss scale in {_validation.describe(tree)}:"
+      " restore into a target built by `init` (a restore without one gives"
+      " dicts); with Flax NNX, pass the `nnx.Optimizer`."
     )
   return tree

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -43,58 +44,32 @@ def cond(
   """`lax.cond(pred, true_fun, false_fun, *operands)`, also under `vmap`.
 
   `vmap` turns a `cond` whose predicate is batched into a select of both
-  branches' results, and JAX broadcasts the predicate without the cases'
-  sharding: a case that an Explicit mesh axis splits (a member of an
-  ensemble sharded inside, FSDP within each member) then fails with a
+  branches' results, and JAX (0.10) broadcasts the predicate without the
+  cases' sharding: a case that an Explicit mesh axis splits (an ensemble
+  sharded inside, FSDP within each member) then fails with a
   `ShardingTypeError`. When an Explicit axis splits a leaf of `operands` or
-  of `sharded_like` (what the branches close over, whose shardings their
-  results take), the `cond` is wrapped in `jax.custom_batching.custom_vmap`,
-  whose rule does that select leaf by leaf with the predicate sharded like
-  each case. Otherwise it is `lax.cond` itself, and the step's jaxpr is what
-  it was. The wrapped form lowers to the same `cond` unbatched, and is
-  differentiated as the plain `cond` (a `custom_jvp`): in reverse mode too,
-  except under `vmap` with a batched predicate.
+  of `sharded_like` (what the branches close over), the `cond` is wrapped in
+  `jax.custom_batching.custom_vmap`, whose rule selects leaf by leaf with
+  the predicate sharded like each case. Otherwise it is `lax.cond` itself.
+  The wrapped form is differentiated as the plain `cond` (a `custom_jvp`).
   """
   _, axes = _numerics.explicit_axes(jax.tree.leaves((operands, sharded_like)))
   if not axes:
     return lax.cond(pred, true_fun, false_fun, *operands)
   # custom_vmap takes no batched value closed over: they become operands.
-  true_c, true_consts = _hoist(true_fun, operands)
-  false_c, false_consts = _hoist(false_fun, operands)
+  branches = (_hoist(true_fun, operands), _hoist(false_fun, operands))
+  (true_c, true_consts), (false_c, false_consts) = branches
+  consts, funs = (true_consts, false_consts), (true_c, false_c)
 
   def plain(pred: Any, consts: Any, operands: Any) -> Any:
-    true_consts, false_consts = consts
-    return lax.cond(
-      pred,
-      lambda *ops: true_c(true_consts, ops),
-      lambda *ops: false_c(false_consts, ops),
-      *operands,
+    on_true, on_false = (
+      lambda *ops, f=f, c=c: f(c, ops)
+      for f, c in zip(funs, consts, strict=True)
     )
+    return lax.cond(pred, on_true, on_false, *operands)
 
   run = jax.custom_batching.custom_vmap(plain)
-
-  def rule(
-    size: int, batched: Any, pred: Any, consts: Any, operands: Any
-  ) -> tuple[Any, Any]:
-    axes = jax.tree.map(lambda b: 0 if b else None, batched)
-    if not batched[0]:  # one branch for all members: a batched `cond`
-      out = jax.vmap(plain, in_axes=tuple(axes), axis_size=size)(
-        pred, consts, operands
-      )
-      return out, jax.tree.map(lambda _: True, out)
-    (true_consts, false_consts), ops = consts, operands
-
-    def both(fun: Callable[..., Any], consts: Any, consts_axes: Any) -> Any:
-      return jax.vmap(fun, in_axes=(consts_axes, axes[2]), axis_size=size)(
-        consts, ops
-      )
-
-    on_true = both(true_c, true_consts, axes[1][0])
-    on_false = both(false_c, false_consts, axes[1][1])
-    out = jax.tree.map(lambda t, f: _select(pred, t, f), on_true, on_false)
-    return out, jax.tree.map(lambda _: True, out)
-
-  run.def_vmap(rule)
+  run.def_vmap(functools.partial(_batched, plain, funs))
 
   @jax.custom_jvp
   def differentiable(pred: Any, consts: Any, operands: Any) -> Any:
@@ -102,15 +77,37 @@ def cond(
 
   @differentiable.defjvp
   def differentiable_jvp(primals: Any, tangents: Any) -> Any:
-    # A custom_vmap has no reverse-mode rule: differentiate the plain `cond`
-    # (its tangents are linear in the inputs, so they transpose).
+    # custom_vmap has no reverse-mode rule: differentiate the plain `cond`.
     pred, consts, operands = primals
-    _, d_consts, d_operands = tangents
     return jax.jvp(
-      lambda c, o: plain(pred, c, o), (consts, operands), (d_consts, d_operands)
+      lambda c, o: plain(pred, c, o), (consts, operands), tangents[1:]
     )
 
-  return differentiable(pred, (true_consts, false_consts), operands)
+  return differentiable(pred, consts, operands)
+
+
+def _batched(
+  plain: Callable[..., Any],
+  funs: tuple[Callable[..., Any], Callable[..., Any]],
+  size: int,
+  batched: Any,
+  pred: Any,
+  consts: Any,
+  operands: Any,
+) -> tuple[Any, Any]:
+  """`cond`'s batching rule: both branches, then a select per leaf."""
+  axes = jax.tree.map(lambda b: 0 if b else None, batched)
+  if not batched[0]:  # one branch for all members: a batched `cond`
+    out = jax.vmap(plain, in_axes=tuple(axes), axis_size=size)(
+      pred, consts, operands
+    )
+  else:
+    on_true, on_false = (
+      jax.vmap(f, in_axes=(a, axes[2]), axis_size=size)(c, operands)
+      for f, c, a in zip(funs, consts, axes[1], strict=True)
+    )
+    out = jax.tree.map(lambda t, f: _select(pred, t, f), on_true, on_false)
+  return out, jax.tree.map(lambda _: True, out)
 
 
 def _select(pred: jax.Array, on_true: jax.Array, on_false: jax.Array) -> Any:

@@ -5,7 +5,7 @@ scales and counters are bit for bit jmp's eager results. What differs is what
 was broken: `min_loss_scale`, `period` and `factor` survive every pytree
 operation, the backoff division is exact under `jit` too, the arithmetic
 works under strict dtype promotion, the loss scale can be lowered ahead of
-time with `jax.jit(...).lower`, and `select_tree` is one `lax.cond`.
+time with `jax.jit(...).lower`, and `select_tree` takes a Python bool.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_lossscale import _exact, _numerics
+from optax_lossscale import _numerics
 
 __all__ = [
   "DynamicLossScale",
@@ -261,7 +261,7 @@ class DynamicLossScale:
   def _backed_off(self) -> Any:
     if _is_python_number(self.loss_scale) and _is_python_number(self.factor):
       return self.loss_scale / self.factor  # Python's division, as in jmp
-    return _exact.exact_div(self.loss_scale, self.factor)
+    return _numerics.exact_div(self.loss_scale, self.factor)
 
   def adjust(self, grads_finite: Any) -> DynamicLossScale:
     """Returns the loss scale for the next step.
@@ -337,26 +337,13 @@ LossScale = NoOpLossScale | StaticLossScale | DynamicLossScale
 """Any of the three loss scales, as jmp's `LossScale` union."""
 
 
-def _first(a: T, b: T) -> T:
-  del b
-  return a
-
-
-def _second(a: T, b: T) -> T:
-  del a
-  return b
-
-
 def select_tree(pred: Any, a: T, b: T) -> T:
   """Returns `a` if `pred` else `b`, two pytrees of the same structure.
 
-  jmp's `select_tree`, with the same values, as one `lax.cond` over the whole
-  trees instead of one `lax.select` per leaf: it compiles in a small fraction
-  of the time at hundreds of leaves. Under `vmap` with a batched `pred`, JAX
-  turns the `cond` into a select, with a select's values. Inside
-  `jax.shard_map`, `a` and `b` may vary along different mesh axes, as
-  `lax.select`'s inputs may: each result varies along the axes of `pred` and
-  of both inputs, as jmp's does.
+  jmp's `select_tree`: one `lax.select` per leaf. XLA fuses each select with
+  the computation of its leaves, so a donated step needs no more memory than
+  without it. Values, dtypes, weak types, `vmap`, gradients and, inside
+  `jax.shard_map`, varying axes are `lax.select`'s, as in jmp.
 
   Args:
     pred: a bool scalar (a Python bool is accepted).
@@ -382,48 +369,5 @@ def select_tree(pred: Any, a: T, b: T) -> T:
   is_bool = isinstance(pred, bool) or getattr(pred, "dtype", None) == np.bool_
   if not is_bool or np.ndim(pred) != 0:
     raise AssertionError("expected boolean scalar")
-  # Inside `shard_map`, the leaves vary along the axes that `lax.select`'s
-  # would: those of `pred` and of both inputs.
-  pred_axes = _numerics.varying_axes(pred)
-  axes = jax.tree.map(
-    lambda x, y: (
-      pred_axes | _numerics.varying_axes(x) | _numerics.varying_axes(y)
-    ),
-    a,
-    b,
-  )
-  chosen = lax.cond(
-    pred,
-    _first,
-    _second,
-    jax.tree.map(_to_varying, a, axes),
-    jax.tree.map(_to_varying, b, axes),
-  )
-  result: T = jax.tree.map(_weak_as_select, chosen, a, b)
+  result: T = jax.tree.map(lambda x, y: lax.select(pred, x, y), a, b)
   return result
-
-
-def _to_varying(x: Any, axes: frozenset[Any]) -> Any:
-  """`x`, marked as varying along `axes` too (no data moves).
-
-  Inside `shard_map`, both branches of a `cond` must vary along the same
-  axes.
-  """
-  missing = tuple(sorted(axes - _numerics.varying_axes(x), key=str))
-  if not missing:
-    return x
-  if hasattr(lax, "pcast"):
-    return lax.pcast(x, missing, to="varying")
-  # Its name in earlier JAX:
-  return lax.pvary(x, missing)  # type: ignore[attr-defined]
-
-
-def _weak_as_select(chosen: jax.Array, x: Any, y: Any) -> jax.Array:
-  """Weakly typed only if both inputs are, as `lax.select`'s result is.
-
-  `lax.cond` makes the output weak if either branch is.
-  """
-  if jax.typeof(x).weak_type and jax.typeof(y).weak_type:
-    return chosen
-  strong: jax.Array = lax.convert_element_type(chosen, chosen.dtype)
-  return strong

@@ -8,6 +8,7 @@ from typing import Any, cast
 import jax
 import numpy as np
 
+from optax_lossscale import _validation
 from optax_lossscale._loss_scale import (
   DynamicLossScale,
   FixedLossScale,
@@ -15,14 +16,12 @@ from optax_lossscale._loss_scale import (
   NoOpLossScale,
 )
 
-__all__ = ["deserialize", "get", "register_loss_scale", "serialize"]
+__all__ = ["deserialize", "register_loss_scale", "serialize"]
 
-_BUILTINS: dict[str, type[LossScale]] = {
-  "FixedLossScale": FixedLossScale,
-  "DynamicLossScale": DynamicLossScale,
-  "NoOpLossScale": NoOpLossScale,
+# The built-in classes, and those `register_loss_scale` adds.
+_CLASSES: dict[str, type[LossScale]] = {
+  cls.__name__: cls for cls in (FixedLossScale, DynamicLossScale, NoOpLossScale)
 }
-_registered: dict[str, type[LossScale]] = {}
 
 # Keys Keras' `serialize_keras_object` writes beside `class_name` and `config`;
 # they name Python modules, which are never imported here.
@@ -57,16 +56,15 @@ def register_loss_scale(cls: type[LossScale]) -> type[LossScale]:
   if not (isinstance(cls, type) and issubclass(cls, LossScale)):
     raise TypeError(
       "`register_loss_scale(cls)` takes a subclass of LossScale, got"
-      f" {cls!r:.80}."
+      f" {_validation.describe(cls)}."
     )
   name = cls.__name__
-  known = _BUILTINS.get(name) or _registered.get(name)
-  if known is not None and known is not cls:
+  known = _CLASSES.setdefault(name, cls)
+  if known is not cls:
     raise ValueError(
       f"`register_loss_scale(cls)`: the name {name!r} is already taken by"
       f" {known!r}."
     )
-  _registered[name] = cls
   return cls
 
 
@@ -105,7 +103,7 @@ def _keras_optimizer_loss_scale(config: dict[str, Any]) -> LossScale:
   """The loss scale of a Keras `LossScaleOptimizer` config."""
   if isinstance(config.get("loss_scale"), (dict, numbers.Real, str)):
     # TF 2.3's `mixed_precision.experimental.LossScaleOptimizer`.
-    return _get(config["loss_scale"], "deserialize(config)")
+    return from_identifier(config["loss_scale"], "deserialize(config)")
   initial = config.get("initial_scale", 2.0**15)
   if not config.get("dynamic", True):
     return FixedLossScale(initial)
@@ -156,32 +154,27 @@ def deserialize(config: dict[str, Any]) -> LossScale:
       f" the keys [{', '.join(sorted(map(repr, config)))}]."
     )
   name, inner = config["class_name"], config["config"]
-  if not isinstance(name, str):
-    raise ValueError(
-      f"{where}: 'class_name' must be a string, got {type(name).__name__}."
-    )
   if not isinstance(inner, dict) or not all(isinstance(k, str) for k in inner):
     raise ValueError(f"{where}: 'config' must be a dict with string keys.")
   if name == "LossScaleOptimizer":
     return _keras_optimizer_loss_scale(inner)
-  cls = _BUILTINS.get(name) or _registered.get(name)
-  if cls is None:
+  if not isinstance(name, str) or name not in _CLASSES:
     raise ValueError(
-      f"{where}: unknown loss scale class {name!r:.80}; known:"
-      f" {sorted(_BUILTINS) + sorted(_registered)}. Register your own with"
-      " `register_loss_scale`."
+      f"{where}: unknown loss scale class {_validation.describe(name)}; known:"
+      f" {sorted(_CLASSES)}. Register your own with `register_loss_scale`."
     )
+  cls = _CLASSES[name]
   return cls.from_config(inner)
 
 
-def _get(identifier: Any, where: str) -> LossScale:
+def from_identifier(identifier: Any, where: str) -> LossScale:
+  """A loss scale from a number, "dynamic", a config dict or a loss scale."""
+  number = (numbers.Real, np.ndarray, np.generic, jax.Array)
   if isinstance(identifier, LossScale):
     return identifier
-  if isinstance(identifier, (bool, np.bool_)):
-    raise ValueError(
-      f"`{where}` could not interpret the loss scale {identifier!r}."
-    )
-  if isinstance(identifier, (numbers.Real, np.ndarray, np.generic, jax.Array)):
+  if isinstance(identifier, number) and not isinstance(
+    identifier, (bool, np.bool_)
+  ):
     # FixedLossScale validates and converts the number itself.
     return FixedLossScale(cast(float, identifier))
   if isinstance(identifier, str) and identifier == "dynamic":
@@ -189,38 +182,7 @@ def _get(identifier: Any, where: str) -> LossScale:
   if isinstance(identifier, dict):
     return deserialize(identifier)
   raise ValueError(
-    f"`{where}` could not interpret the loss scale {identifier!r:.80}: pass"
-    " a number, 'dynamic', a LossScale, a serialized dict or None."
+    f"`{where}` could not interpret the loss scale"
+    f" {_validation.describe(identifier)}: pass a number, 'dynamic', a"
+    " LossScale or a serialized dict."
   )
-
-
-def get(identifier: Any) -> LossScale | None:
-  """Returns a loss scale from a number, `"dynamic"`, a dict or a loss scale.
-
-  TensorFlow's `get`: a number gives `FixedLossScale(number)`, `"dynamic"`
-  gives `DynamicLossScale()`, a `LossScale` is returned as it is, a dict is
-  passed to `deserialize`, and None gives None.
-
-  Args:
-    identifier: what to interpret.
-
-  Returns:
-    A `LossScale`, or None.
-
-  Raises:
-    ValueError: for anything else (a bool, another string, a list), and as
-      `FixedLossScale` and `deserialize` raise it for a number or dict they
-      refuse (a number below 1, an unknown class).
-    TypeError: as `FixedLossScale` and `deserialize` raise it for a number or
-      dict they refuse (a complex number, a config value of the wrong type).
-
-  Examples:
-    >>> import optax_lossscale as ols
-    >>> ols.get(1024)
-    FixedLossScale(loss_scale_value=1024.0)
-    >>> type(ols.get("dynamic")).__name__
-    'DynamicLossScale'
-  """
-  if identifier is None:
-    return None
-  return _get(identifier, "get(identifier)")

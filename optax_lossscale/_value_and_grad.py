@@ -7,8 +7,9 @@ from typing import Any
 
 import jax
 
+from optax_lossscale import _validation
 from optax_lossscale._loss_scale import LossScale
-from optax_lossscale._states import get_loss_scale
+from optax_lossscale._states import find_loss_scale
 
 __all__ = ["scaled_value_and_grad"]
 
@@ -21,27 +22,26 @@ def scaled_value_and_grad(
 ) -> Callable[..., tuple[Any, Any]]:
   """`jax.value_and_grad` of the scaled loss, returning the unscaled value.
 
-  In the spirit of flax's `DynamicScale.value_and_grad`: the returned function
-  takes the loss scale (or an optimizer state holding one) before `fun`'s own
-  arguments, multiplies the loss by the scale, differentiates, and returns
-  the loss value as `fun` computed it (with `aux` when `has_aux`) and the
-  *scaled* gradients, ready for `loss_scale_optimizer` or
-  `unscale_gradients`, which unscale them.
+  The returned function takes the optimizer state (or a loss scale) before
+  `fun`'s own arguments, multiplies the loss by the scale, differentiates,
+  and returns the loss as `fun` computed it (with `aux` when `has_aux`) and
+  the *scaled* gradients, which `LossScaleOptimizer` unscales.
 
   Args:
-    fun: the loss function; it returns a scalar, or `(scalar, aux)` when
+    fun: the loss function; it returns a scalar, or `(scalar, aux)` with
       `has_aux`.
     argnums: which positional arguments of `fun` to differentiate.
     has_aux: whether `fun` returns `(loss, aux)`.
 
   Returns:
-    A function `(loss_scale_or_opt_state, *args, **kwargs) -> (value,
+    A function `(opt_state_or_loss_scale, *args, **kwargs) -> (value,
     scaled_grads)`, where `value` is `loss` or `(loss, aux)`.
 
   Raises:
-    TypeError: if `fun` is not callable.
-    ValueError: when called, if the optimizer state given holds no loss scale
-      or several (as `get_loss_scale`).
+    TypeError: if `fun` is not callable; when called, if `fun` returns a
+      tuple without `has_aux=True`.
+    ValueError: when called, if the first argument holds no loss scale (the
+      parameters passed first, say) or several.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -54,17 +54,26 @@ def scaled_value_and_grad(
   """
   if not callable(fun):
     raise TypeError(
-      f"`scaled_value_and_grad(fun)` takes a callable, got {fun!r:.80}."
+      "`scaled_value_and_grad(fun)` takes a callable, got"
+      f" {_validation.describe(fun)}."
     )
+  _validation.boolean("scaled_value_and_grad", "has_aux", has_aux)
 
   def value_and_scaled_grad(
-    loss_scale: Any, *args: Any, **kwargs: Any
+    opt_state: Any, *args: Any, **kwargs: Any
   ) -> tuple[Any, Any]:
-    if not isinstance(loss_scale, LossScale):
-      loss_scale = get_loss_scale(loss_scale)
+    loss_scale = opt_state
+    if not isinstance(opt_state, LossScale):
+      where = "The first argument of `scaled_value_and_grad(fun)(...)`"
+      loss_scale = find_loss_scale(where, opt_state)
 
     def scaled(*args: Any, **kwargs: Any) -> tuple[jax.Array, Any]:
       out = fun(*args, **kwargs)
+      if not has_aux and isinstance(out, (tuple, list)):
+        raise TypeError(
+          "`fun` returned a tuple, not a scalar loss: if it returns"
+          " `(loss, aux)`, pass `has_aux=True`."
+        )
       loss, aux = out if has_aux else (out, None)
       return loss_scale.scale(loss), (loss, aux)
 

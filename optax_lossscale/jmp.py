@@ -2,10 +2,10 @@
 
 Change `import jmp` to `from optax_lossscale import jmp`: the same names,
 signatures, pytree layouts and results. `min_loss_scale` survives `jit` and
-`lax.scan`, divisions stay exact under `jit`, `select_tree` is one `lax.cond`
-(it compiles in a fraction of the time), and `to_loss_scale` carries a jmp
-loss scale over to `optax_lossscale.LossScaleOptimizer`. jmp itself is not
-needed. `dtype_to_names`, jmp's table of dtype names, is kept for code
+`lax.scan`, divisions stay exact under `jit`, `all_finite` is one pass (jmp's
+update step compiles in a fraction of the time), and `to_loss_scale` carries
+a jmp loss scale over to `optax_lossscale.LossScaleOptimizer`. jmp itself is
+not needed. `dtype_to_names`, jmp's table of dtype names, is kept for code
 that reads it from jmp's policy module; it is not part of jmp's `__all__`,
 nor of this module's.
 """
