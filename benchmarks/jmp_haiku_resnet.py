@@ -8,13 +8,14 @@ under `p=f32,c=f32,o=f16`, the scaled loss, `grad`, `cast_to_param`,
 `unscale`, `all_finite`, `adjust`, SGD with momentum, and `select_tree` over
 (params, state, opt_state), as the example selects them. The step is compiled
 with jmp and with `optax_lossscale.jmp` in turns (first compiles: trace,
-lower and compile; each repeat another learning rate, so another program),
+lower and compile; each repeat another learning rate, so another program;
+the median of the per-round ratios), its temporary memory read
+(`compiled.memory_analysis().temp_size_in_bytes`, train state donated),
 then timed in turns with its train state donated and fed back.
 
-Where `jmp_select_tree.py` measures jmp's update step on hundreds of leaves
-(where jmp's per-leaf `select_tree` dominates the compile), this is a model
-whose own forward and backward pass dominate: the figure a Haiku user moving
-a ResNet should expect. Prints the figures and writes
+Where `jmp_select_tree.py` measures jmp's update step alone on many leaves,
+this is a model whose own forward and backward pass dominate: the figure
+a Haiku user moving a ResNet should expect. Prints the figures and writes
 benchmarks/JMP_HAIKU.md. Needs jmp and dm-haiku.
 """
 
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import pathlib
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -122,10 +122,11 @@ def run(batch_size: int, repeats: int, rounds: int, steps: int) -> Any:
       set_policies, init, step = make_step(MODULES[name], 0.1 / (1 + r))
       ts = init(batch)
       set_policies()
-      t0 = time.perf_counter()
-      compiled = jax.jit(step, donate_argnums=0).lower(ts, batch).compile()
-      seconds = time.perf_counter() - t0
+      compiled, seconds = _timing.compile_step(
+        step, ts, batch, donate_argnums=(0,)
+      )
       runs[name]["compiles"].append(seconds)
+      runs[name]["temp"] = _timing.temp_bytes(compiled) / 2**20
       runs[name]["leaves"] = len(
         jax.tree.leaves((ts.params, ts.state, ts.opt_state))
       )
@@ -144,14 +145,9 @@ def run(batch_size: int, repeats: int, rounds: int, steps: int) -> Any:
     run_["medians"] = []
   for _ in range(rounds):
     for run_ in runs.values():
-      ts = run_["state"]
-      times = []
-      for _ in range(steps):
-        t0 = time.perf_counter()
-        ts, loss = run_["compiled"](ts, batch)
-        jax.block_until_ready((ts, loss))
-        times.append(time.perf_counter() - t0)
-      run_["state"] = ts
+      times, (run_["state"],) = _timing.step_times(
+        run_["compiled"], (run_["state"],), (batch,), steps
+      )
       run_["medians"].append(statistics.median(times))
   return runs
 
@@ -170,7 +166,9 @@ def main() -> None:
 def write(args: Any, runs: Any, rounds: int, steps: int) -> None:
   jmp_run, ours = runs[JMP], runs[OURS]
   median = statistics.median
-  compile_ratio = median(ours["compiles"]) / median(jmp_run["compiles"])
+  compile_ratio = median(
+    [o / j for o, j in zip(ours["compiles"], jmp_run["compiles"], strict=True)]
+  )
   step_ratio = median(ours["medians"]) / median(jmp_run["medians"])
   lines = [
     "# jmp against optax_lossscale.jmp: a Haiku ResNet step",
@@ -182,24 +180,27 @@ def write(args: Any, runs: Any, rounds: int, steps: int) -> None:
     " parameters and BatchNorm, SGD with momentum; `select_tree` over"
     f" (params, state, opt_state), {ours['leaves']} leaves. Compile: first"
     " compiles (trace, lower and compile), in turns, the median of"
-    f" {len(ours['compiles'])} each. Step: the train state"
+    f" {len(ours['compiles'])} each (the ratio: the median of the per-round"
+    " ratios). Temp: `compiled.memory_analysis().temp_size_in_bytes`, the"
+    " train state donated. Step: the train state"
     f" donated and fed back, {steps} steps a round, {rounds} rounds in"
     " turns; the median of the rounds' medians.",
     "",
-    "| configuration | compile (s) | step (ms) |",
-    "|---|---|---|",
+    "| configuration | compile (s) | temp (MiB) | step (ms) |",
+    "|---|---|---|---|",
   ]
   for label, r in [
     ("`import jmp`", jmp_run),
     ("`from optax_lossscale import jmp`", ours),
   ]:
     lines.append(
-      f"| {label} | {median(r['compiles']):.2f} |"
+      f"| {label} | {median(r['compiles']):.2f} | {r['temp']:.2f} |"
       f" {median(r['medians']) * 1e3:.1f} |"
     )
   lines += [
     "",
-    f"optax_lossscale.jmp against jmp: compile {compile_ratio:.2f}x, step"
+    f"optax_lossscale.jmp against jmp: compile {compile_ratio:.2f}x, temp"
+    f" {_timing.ratio(ours['temp'], jmp_run['temp'])}, step"
     f" {step_ratio:.2f}x (the same first step, up to rounding).",
     "",
   ]

@@ -1,20 +1,23 @@
-"""jmp against `optax_lossscale.jmp`: compile time of `select_tree`, and a step.
+"""jmp against `optax_lossscale.jmp`: memory and compile time of jmp's steps.
 
-Usage: python benchmarks/jmp_select_tree.py [--quick] [--leaves 100 400]
+Usage: python benchmarks/jmp_select_tree.py [--quick] [--leaves 40 100]
 
-1. The jmp update step (unscale, `all_finite`, `adjust`, Adam, `select_tree`
-   over the parameters and Adam's state; gradients given) on trees of 1,000
-   float32 parameters a leaf, written once against a module and compiled with
-   jmp, with `optax_lossscale.jmp`, and with each module's `select_tree`
-   swapped for the other's. Only first compiles are timed (trace, lower and
-   compile of a fresh function; each repeat uses another learning rate, so
-   another program, since JAX serves a repeated one from its cache). The
-   configurations are compiled in turns in one process; jmp above 100 leaves
-   is compiled once (minutes and about 11 GB at 400 leaves).
-2. The whole jmp training step (policy casts, scaled loss, `grad`, unscale,
+Each step is written once against a module and compiled with jmp and with
+`optax_lossscale.jmp`, in turns, in one process.
+
+1. Temporary memory of jmp's README step, donated: an SGD step and an Adam
+   step on 8 leaves of (512, 512) float32, then
+   `select_tree(all_finite(grads), new, old)` over the parameters and the
+   optimizer state (`compiled.memory_analysis().temp_size_in_bytes`).
+2. First compiles of jmp's update step (unscale, `all_finite`, `adjust`,
+   Adam, `select_tree` over the parameters and Adam's state; gradients
+   given) on leaves of 1,000 float32: trace, lower and compile of a fresh
+   function (each compile another learning rate, so another program, since
+   JAX serves a repeated one from its cache). Rounds in turns, the order
+   alternating; the median of the per-round ratios.
+3. The whole jmp training step (policy casts, scaled loss, `grad`, unscale,
    `all_finite`, `adjust`, Adam, `select_tree`) of a float16 MLP with float32
-   master weights, before and after changing `import jmp` to
-   `from optax_lossscale import jmp`: compile time and step time (parameters
+   master weights: compile time, temporary memory and step time (parameters
    and state donated and fed back; timed in turns).
 
 Prints the figures and writes benchmarks/JMP.md. Needs jmp (the `bench`
@@ -25,9 +28,7 @@ from __future__ import annotations
 
 import argparse
 import pathlib
-import resource
 import statistics
-import time
 import types
 from collections.abc import Callable
 from typing import Any
@@ -46,25 +47,37 @@ PACKAGES = ("jmp",)  # named in the header beside jax and optax
 SCALE = 2.0**10
 JMP = "jmp"
 OURS = "optax_lossscale.jmp"
+MODULES = {JMP: deepmind_jmp, OURS: ols_jmp}
+MIB = 2.0**20
 
 
-def _modules() -> dict[str, Any]:
-  """The configurations: a module, or one with the other's `select_tree`."""
+def readme_step(m: Any, tx: Any) -> Callable[..., Any]:
+  """jmp's README update: the new state, then `select_tree` against `m`."""
 
-  def mix(base: Any, select_from: Any) -> Any:
-    return types.SimpleNamespace(
-      DynamicLossScale=base.DynamicLossScale,
-      all_finite=base.all_finite,
-      select_tree=select_from.select_tree,
-      get_policy=base.get_policy,
-    )
+  def step(params: Any, opt_state: Any, grads: Any) -> Any:
+    updates, new_opt_state = tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    finite = m.all_finite(grads)
+    params = m.select_tree(finite, new_params, params)
+    return params, m.select_tree(finite, new_opt_state, opt_state)
 
-  return {
-    JMP: deepmind_jmp,
-    OURS: ols_jmp,
-    "jmp with optax_lossscale.jmp.select_tree": mix(deepmind_jmp, ols_jmp),
-    "optax_lossscale.jmp with jmp's select_tree": mix(ols_jmp, deepmind_jmp),
-  }
+  return step
+
+
+def temp_memory() -> dict[str, dict[str, float]]:
+  """Temporary MiB of the donated SGD and Adam README steps per module."""
+  params = {f"w{i}": jnp.ones((512, 512), jnp.float32) for i in range(8)}
+  grads = jax.tree.map(lambda p: p * 1e-3, params)
+  out: dict[str, dict[str, float]] = {}
+  for opt_name, tx in [("SGD", optax.sgd(0.1)), ("Adam", optax.adam(1e-3))]:
+    out[opt_name] = {}
+    for name, m in MODULES.items():
+      compiled, _ = _timing.compile_step(
+        readme_step(m, tx), params, tx.init(params), grads
+      )
+      out[opt_name][name] = _timing.temp_bytes(compiled) / MIB
+      print(f"  {opt_name}, {name}: {out[opt_name][name]:.2f} MiB", flush=True)
+  return out
 
 
 def update_step(m: Any, lr: float) -> tuple[Callable[..., Any], Any]:
@@ -100,38 +113,31 @@ def _apply(
   return params, (opt_state, (loss_scale.loss_scale, loss_scale.counter))
 
 
-def _peak_rss_gib() -> float:
-  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+def same_program_as_jmp(leaves: int) -> bool:
+  """Whether jmp's step with our `select_tree` is jmp's own jaxpr."""
+  params = {f"w{i:03d}": jnp.ones(1000, jnp.float32) for i in range(leaves)}
+  swapped = types.SimpleNamespace(**vars(deepmind_jmp))
+  swapped.select_tree = ols_jmp.select_tree
+  jaxprs = []
+  for m in (deepmind_jmp, swapped):
+    init, step = update_step(m, 1e-3)
+    jaxprs.append(str(jax.make_jaxpr(step)(params, init(params), params)))
+  return jaxprs[0] == jaxprs[1]
 
 
-def first_compile(step: Callable[..., Any], *args: Any) -> float:
-  t0 = time.perf_counter()
-  jax.jit(step, donate_argnums=(0, 1)).lower(*args).compile()
-  return time.perf_counter() - t0
-
-
-def select_tree_compiles(
-  leaves: int, repeats: int, jmp_repeats: int
-) -> dict[str, dict[str, Any]]:
-  """Compile times of the update step per configuration, in turns."""
+def compile_ratios(leaves: int, rounds: int) -> dict[str, list[float]]:
+  """First compiles of the update step per module, in turns."""
   params = {f"w{i:03d}": jnp.ones(1000, jnp.float32) for i in range(leaves)}
   grads = jax.tree.map(lambda p: p * SCALE * 1e-3, params)
-  results: dict[str, dict[str, Any]] = {
-    name: {"times": [], "rss_growth": 0.0} for name in _modules()
-  }
-  for r in range(repeats):
-    # jmp itself last, so that its memory shows as growth of the peak.
-    for name, m in reversed(list(_modules().items())):
-      if name == JMP and r >= jmp_repeats:
-        continue
-      init, step = update_step(m, 1e-3 * (1 + r))
-      before = _peak_rss_gib()
-      seconds = first_compile(step, params, init(params), grads)
-      growth = _peak_rss_gib() - before
-      results[name]["times"].append(seconds)
-      results[name]["rss_growth"] = max(results[name]["rss_growth"], growth)
+  times: dict[str, list[float]] = {name: [] for name in MODULES}
+  for r in range(rounds):
+    names = list(MODULES) if r % 2 == 0 else list(MODULES)[::-1]
+    for name in names:
+      init, step = update_step(MODULES[name], 1e-3 * (1 + r))
+      _, seconds = _timing.compile_step(step, params, init(params), grads)
+      times[name].append(seconds)
       print(f"  {leaves} leaves, {name}: {seconds:.2f} s", flush=True)
-  return results
+  return times
 
 
 # --- the whole train step --------------------------------------------------
@@ -183,131 +189,131 @@ def whole_step(
   )
   runs: dict[str, dict[str, Any]] = {}
   for name in [OURS, JMP]:
-    init, step = train_step(_modules()[name], 1e-3)
+    init, step = train_step(MODULES[name], 1e-3)
     p = jax.tree.map(jnp.copy, params)
     s = init(p)
-    t0 = time.perf_counter()
-    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(p, s, batch)
-    compiled = compiled.compile()
+    compiled, seconds = _timing.compile_step(step, p, s, batch)
     runs[name] = {
-      "compile": time.perf_counter() - t0,
+      "compile": seconds,
+      "temp": _timing.temp_bytes(compiled) / MIB,
       "compiled": compiled,
-      "state": compiled(p, s, batch),
+      "carry": compiled(p, s, batch),
       "medians": [],
     }
+    print(f"  train step, {name}: compile {seconds:.2f} s", flush=True)
   # The same first step (later steps drift apart by rounding, as any two
   # differently fused programs do, amplified by Adam over hundreds of steps).
-  ours, theirs = runs[OURS]["state"], runs[JMP]["state"]
+  ours, theirs = runs[OURS]["carry"], runs[JMP]["carry"]
   for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    print(f"  train step, {name}: compile {runs[name]['compile']:.2f} s")
   for _ in range(rounds):
     for run in runs.values():
-      p, s = run["state"]
-      times = []
-      for _ in range(steps):
-        t0 = time.perf_counter()
-        p, s = run["compiled"](p, s, batch)
-        jax.block_until_ready((p, s))
-        times.append(time.perf_counter() - t0)
-      run["state"] = (p, s)
+      times, run["carry"] = _timing.step_times(
+        run["compiled"], run["carry"], (batch,), steps
+      )
       run["medians"].append(statistics.median(times))
   return runs
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="fewer repeats")
-  parser.add_argument("--leaves", type=int, nargs="+", default=[100, 400])
+  parser.add_argument("--quick", action="store_true", help="fewer rounds")
+  parser.add_argument("--leaves", type=int, nargs="+", default=[40, 100])
   parser.add_argument(
     "--depth", type=int, default=50, help="MLP layers (2 leaves each)"
   )
   parser.add_argument("--width", type=int, default=128)
   args = parser.parse_args()
-  repeats = 2 if args.quick else 3
+  rounds = 3 if args.quick else 5
   print(_timing.header(packages=PACKAGES), flush=True)
-  compiles = {
-    n: select_tree_compiles(n, repeats, repeats if n <= 100 else 1)
-    for n in args.leaves
-  }
-  runs = whole_step(
-    args.depth, args.width, repeats + 2, 20 if args.quick else 50
-  )
-  write(args, compiles, runs)
+  memory = temp_memory()
+  same = all(same_program_as_jmp(n) for n in args.leaves)
+  compiles = {n: compile_ratios(n, rounds) for n in args.leaves}
+  runs = whole_step(args.depth, args.width, rounds, 20 if args.quick else 50)
+  write(args, memory, same, compiles, runs)
 
 
-def _median(xs: list[float]) -> float:
-  return statistics.median(xs)
-
-
-def write(args: Any, compiles: Any, runs: Any) -> None:
+def write(args: Any, memory: Any, same: bool, compiles: Any, runs: Any) -> None:
+  median = statistics.median
   lines = [
     "# jmp against optax_lossscale.jmp",
     "",
     _timing.header(packages=PACKAGES),
     "",
-    "What these figures are: compile and step times of jmp's own update"
-    " pattern, written once and run with each module, on the machine named"
-    " above. The ratios are for the steps described here, whose"
-    " cost is dominated by jmp's per-leaf work; they are not a model's. In a"
-    " step whose own forward and backward pass dominate, the difference is"
-    " far smaller: see `benchmarks/JMP_HAIKU.md` (a Haiku ResNet-18 step,"
-    " `python benchmarks/jmp_haiku_resnet.py`).",
+    "Each step is written once against a module and compiled with jmp and"
+    " with `optax_lossscale.jmp`, on the machine named above. A Haiku"
+    " ResNet-18 step is in `benchmarks/JMP_HAIKU.md`"
+    " (`python benchmarks/jmp_haiku_resnet.py`).",
     "",
-    "## `select_tree`: compile time of jmp's update step",
+    "## `select_tree`: temporary memory, donated",
     "",
-    "The update step alone, with the gradients given (no model): unscale,"
-    " `all_finite`, `adjust`, Adam and `select_tree` over the parameters"
-    " and Adam's state, on leaves of 1,000 float32 parameters"
-    " (`select_tree` picks among 3x as many leaves). First compiles only"
-    " (trace, lower and compile), the median over the repeats; jmp above"
-    " 100 leaves is compiled once.",
+    "jmp's README step: the optimizer's update on 8 leaves of (512, 512)"
+    " float32 (8 MiB of parameters), then"
+    " `select_tree(all_finite(grads), new, old)` over the parameters and the"
+    " optimizer state; parameters and state donated."
+    " `compiled.memory_analysis().temp_size_in_bytes`.",
     "",
-    "| leaves | configuration | compile (s) | vs jmp | repeats |"
-    " peak RSS growth (GiB) |",
-    "|---|---|---|---|---|---|",
+    "| step | jmp (MiB) | optax_lossscale.jmp (MiB) | ours / jmp |",
+    "|---|---|---|---|",
   ]
-  for leaves, results in compiles.items():
-    base = _median(results[JMP]["times"])
-    for name, r in results.items():
-      t = _median(r["times"])
-      lines.append(
-        f"| {leaves} | {name} | {t:.2f} | {t / base:.3f}x |"
-        f" {len(r['times'])} | {r['rss_growth']:.2f} |"
-      )
-  depth = args.depth
-  jmp_run, ours = runs[JMP], runs[OURS]
-  step_ratio = _median(ours["medians"]) / _median(jmp_run["medians"])
+  for opt_name, mib in memory.items():
+    lines.append(
+      f"| {opt_name} | {mib[JMP]:.2f} | {mib[OURS]:.2f} |"
+      f" {_timing.ratio(mib[OURS], mib[JMP])} |"
+    )
   lines += [
     "",
-    "Peak RSS growth: how far each compile raised the process's peak"
-    " resident memory (0 when it stayed under an earlier peak; jmp is"
-    " compiled last in each round, so its figure is its own).",
+    "## Compile time of jmp's update step",
+    "",
+    "The update step alone, gradients given (no model): unscale,"
+    " `all_finite`, `adjust`, Adam and `select_tree` over the parameters"
+    " and Adam's state, on leaves of 1,000 float32 parameters. First"
+    f" compiles (trace, lower and compile), {len(compiles[args.leaves[0]][JMP])}"
+    " rounds in turns; the median of each module's times and of the"
+    " per-round ratios.",
+    "",
+    "| leaves | jmp (s) | optax_lossscale.jmp (s) | ours / jmp |",
+    "|---|---|---|---|",
+  ]
+  for leaves, times in compiles.items():
+    ratios = [o / j for o, j in zip(times[OURS], times[JMP], strict=True)]
+    lines.append(
+      f"| {leaves} | {median(times[JMP]):.2f} | {median(times[OURS]):.2f} |"
+      f" {median(ratios):.2f}x |"
+    )
+  verdict = "the same jaxpr" if same else "a different jaxpr"
+  lines += [
+    "",
+    "`select_tree` is jmp's, a `lax.select` per leaf: jmp's update step with"
+    f" `optax_lossscale.jmp.select_tree` swapped in traces to {verdict} as"
+    " jmp's own. The compile difference is `all_finite`, one pass here"
+    " where jmp reduces each leaf and stacks the results.",
     "",
     "## The whole train step, before and after the import change",
     "",
-    f"A float16 MLP with float32 master weights: {depth} residual layers"
-    f" of width {args.width} ({2 * depth} parameter leaves, {6 * depth}"
-    " leaves selected), batch 32, Adam; parameters and state donated."
-    " A cheap model with many leaves, so jmp's per-leaf work weighs much."
-    " Compile: one first compile each. Step time: the median of each"
-    " round's median, rounds in turns.",
+    f"A float16 MLP with float32 master weights: {args.depth} residual"
+    f" layers of width {args.width} ({2 * args.depth} parameter leaves),"
+    " batch 32, Adam; parameters and state donated. Compile: one first"
+    " compile each. Step time: the median of each round's median, rounds"
+    " in turns.",
     "",
-    "| configuration | compile (s) | step (ms) |",
-    "|---|---|---|",
+    "| configuration | compile (s) | temp (MiB) | step (ms) |",
+    "|---|---|---|---|",
   ]
+  jmp_run, ours = runs[JMP], runs[OURS]
   for label, run in [
     ("`import jmp`", jmp_run),
     ("`from optax_lossscale import jmp`", ours),
   ]:
     lines.append(
-      f"| {label} | {run['compile']:.2f} |"
-      f" {_median(run['medians']) * 1e3:.3f} |"
+      f"| {label} | {run['compile']:.2f} | {run['temp']:.2f} |"
+      f" {median(run['medians']) * 1e3:.3f} |"
     )
+  step_ratio = median(ours["medians"]) / median(jmp_run["medians"])
   lines += [
     "",
     f"optax_lossscale.jmp against jmp: compile"
-    f" {ours['compile'] / jmp_run['compile']:.3f}x, step {step_ratio:.2f}x"
+    f" {ours['compile'] / jmp_run['compile']:.2f}x, step {step_ratio:.2f}x"
     " (the same parameters after a step, within rounding).",
     "",
   ]

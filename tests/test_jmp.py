@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import inspect
 import os
 import pathlib
@@ -148,9 +149,7 @@ def test_the_module_does_not_import_jmp():
 # --- results: jmp's, bit for bit ----------------------------------------------
 
 
-@pytest.mark.parametrize(
-  "period, factor", [(1, 2), (3, 2), (4, 3), (2, 10), (5, 1.5), (7, 7)]
-)
+@pytest.mark.parametrize("period, factor", [(1, 2), (3, 2), (4, 3), (5, 1.5)])
 def test_scales_and_counters_follow_jmps_algorithm_bit_for_bit(period, factor):
   steps = _steps(period, 60)
   ref = tf_dynamic_loss_scale(steps, 1000.0, period, factor, 1.0)
@@ -532,11 +531,29 @@ def test_select_tree_matches_the_installed_jmp_in_dtype_and_weak_type(real_jmp):
       np.testing.assert_array_equal(ours, theirs)
 
 
-def test_select_tree_is_one_cond_and_no_select():
-  a = [jnp.ones(3) for _ in range(20)]
-  jaxpr = jax.make_jaxpr(jmp.select_tree)(jnp.bool_(True), a, a)
-  names = [eqn.primitive.name for eqn in jaxpr.eqns]
-  assert names.count("cond") == 1 and "select_n" not in names
+def test_select_tree_needs_no_more_memory_than_jmps_donated(real_jmp):
+  # jmp's README step: the update, then `select_tree(all_finite(grads), new,
+  # old)`, parameters and state donated. Ours takes no more temporary memory
+  # than jmp's (a `lax.cond` over two materialised trees took more).
+  params = {f"w{i}": jnp.ones((128, 128)) for i in range(4)}
+  grads = jax.tree.map(lambda p: p * 1e-3, params)
+  for tx in [optax.sgd(0.1), optax.adam(1e-3)]:
+    temp = []
+    for select_tree in [jmp.select_tree, real_jmp.select_tree]:
+
+      def step(params, opt_state, grads, select_tree=select_tree, tx=tx):
+        updates, new_opt_state = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        finite = jmp.all_finite(grads)
+        return select_tree(
+          finite, (new_params, new_opt_state), (params, opt_state)
+        )
+
+      lowered = jax.jit(step, donate_argnums=(0, 1)).lower(
+        params, tx.init(params), grads
+      )
+      temp.append(lowered.compile().memory_analysis().temp_size_in_bytes)
+    assert temp[0] <= temp[1], temp
 
 
 def test_select_tree_under_a_batched_predicate_selects():
@@ -894,14 +911,11 @@ def _optimizer():
   return optax.sgd(0.05, momentum=0.9)
 
 
-def _jmp_run(jmp, steps, params=None, opt_state=None, loss_scale=None):
-  """A complete jmp training program, as jmp's README writes it."""
+@functools.cache
+def _jmp_train_step(jmp):
+  """jmp's README train step, compiled once per module for these tests."""
   policy = jmp.get_policy("p=f32,c=f16,o=f32")
   opt = _optimizer()
-  if params is None:
-    params = policy.cast_to_param(_init_params())
-    opt_state = opt.init(params)
-    loss_scale = jmp.DynamicLossScale(jnp.float32(2.0**24), period=5)
 
   @jax.jit
   def train_step(params, opt_state, loss_scale, x, y):
@@ -919,6 +933,16 @@ def _jmp_run(jmp, steps, params=None, opt_state=None, loss_scale=None):
     opt_state = jmp.select_tree(grads_finite, new_opt_state, opt_state)
     return params, opt_state, loss_scale
 
+  return train_step
+
+
+def _jmp_run(jmp, steps, params=None, opt_state=None, loss_scale=None):
+  """A complete jmp training program, as jmp's README writes it."""
+  if params is None:
+    params = jmp.get_policy("p=f32,c=f16,o=f32").cast_to_param(_init_params())
+    opt_state = _optimizer().init(params)
+    loss_scale = jmp.DynamicLossScale(jnp.float32(2.0**24), period=5)
+  train_step = _jmp_train_step(jmp)
   scales = []
   for _ in range(steps):
     params, opt_state, loss_scale = train_step(
@@ -941,7 +965,7 @@ def _ported_run(tx, params, opt_state, steps):
   scales = []
   for _ in range(steps):
     params, opt_state = train_step(params, opt_state, X, Y)
-    scales.append(float(ols.get_loss_scale(opt_state)()))
+    scales.append(float(opt_state.loss_scale()))
   return params, opt_state, scales
 
 
