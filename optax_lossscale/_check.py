@@ -118,9 +118,10 @@ def _check_optimizer_state(state: LossScaleOptimizerState, path: str) -> None:
   for name, dtype in _RECORD_DTYPES.items():
     where = f"`{path}.last_skip.{name}`"
     _check(where, getattr(record, name), dtype, shape, 0, np.inf)
-  names = len(record.names())
+  raw = _validation.host_values(_array(record.leaf_names))
+  names = None if raw is None else len(record.names())
   flags = np.shape(_array(record.nonfinite))[-1:]
-  if flags != (names,):
+  if names is not None and flags != (names,):
     raise ValueError(
       f"`{path}.last_skip.nonfinite` must hold one flag per leaf name"
       f" ({names}), got shape {np.shape(_array(record.nonfinite))}."

@@ -249,7 +249,7 @@ class _Constant(LossScale):
 
 
 @jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class FixedLossScale(_Constant):
   """A loss scale that never changes: TensorFlow's `FixedLossScale`.
 
@@ -297,7 +297,7 @@ class FixedLossScale(_Constant):
 
 
 @jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class NoOpLossScale(_Constant):
   """A loss scale of 1: one code path for every precision.
 
@@ -349,7 +349,7 @@ STATE_DTYPES = {
 
 
 @jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class DynamicLossScale(LossScale):
   """A loss scale that adapts to the gradients: TensorFlow's algorithm.
 

@@ -27,9 +27,9 @@ def unscale_gradients(
   """Unscales the gradients and updates the loss scale; never skips.
 
   Put it first in an `optax.chain`. It divides the incoming (scaled)
-  gradients by the loss scale, then updates the loss scale from them (see
-  `LossScale.grads_finite`) and stores the new loss scale and `should_apply`
-  in its state. It only reports: the rest of the chain runs on every step.
+  gradients by the loss scale, updates the loss scale from whether they are
+  finite (`LossScale.adjust`), and stores the new loss scale and
+  `should_apply` in its state. It only reports: the rest of the chain runs on every step.
   Given the loss as `value=`, a step whose loss is not finite reports
   `should_apply` False and leaves the loss scale unchanged.
 
