@@ -16,9 +16,7 @@ REPLACEMENTS = {
   "apply_gradients": "`LossScaleOptimizer.apply_gradients`",
   "get": "the loss scale's class, or `deserialize` for a config dict",
   "get_loss_scale": "`opt_state.loss_scale`",
-  "loss_scale_optimizer": (
-    "`LossScaleOptimizer(inner, loss_scale).gradient_transformation()`"
-  ),
+  "loss_scale_optimizer": "`LossScaleOptimizer.gradient_transformation()`",
 }
 
 

@@ -542,6 +542,5 @@ class DynamicLossScale(LossScale):
     }
 
   def _check_reads(self, scaled_grads: Any) -> Any:
-    if self.min_loss_scale >= 1:
-      return scaled_grads
-    return self.unscale(scaled_grads)
+    at_least_one = self.min_loss_scale >= 1
+    return scaled_grads if at_least_one else self.unscale(scaled_grads)

@@ -63,6 +63,8 @@ def check_structure(call: str, grads: Any, params: Any) -> None:
       f" {jax.tree.structure(grads)} vs {jax.tree.structure(params)}."
     )
   for (path, g), (_, p) in zip(*pairs, strict=True):
+    if g is None:  # Equinox's gradients of what is not a parameter
+      continue
     name = jax.tree_util.keystr(path) or "<root>"
     if jnp.shape(g) != jnp.shape(p):
       raise ValueError(
@@ -256,6 +258,9 @@ class LossScaleOptimizer:
       call, "skip_nonfinite", skip_nonfinite
     )
     self.axis_name = axis_name
+    # What every state's own leaves are (outside any trace: under
+    # `shard_map`, the loss scale's arrays could not be closed over).
+    self._dtypes = jax.eval_shape(lambda: self._fresh(None, []))
 
   def init(self, params: optax.Params) -> LossScaleOptimizerState:
     """Returns the initial state: the loss scale and `inner`'s state.
@@ -504,7 +509,7 @@ class LossScaleOptimizer:
     (a second conditional would make XLA copy what the retry loop carries).
     """
     _validation.state(call, state, LossScaleOptimizerState)
-    check_dtypes(call, state, jax.eval_shape(lambda: self._fresh(None, [])))
+    check_dtypes(call, state, self._dtypes)
     check_structure(call, grads, params)
     if attempt is None:
       value = extra_args.get("value")

@@ -1,4 +1,4 @@
-"""`get`, `serialize` and `deserialize`, in TensorFlow's and Keras' format."""
+"""`serialize` and `deserialize`, in TensorFlow's and Keras' format."""
 
 from __future__ import annotations
 

@@ -183,5 +183,4 @@ def find_loss_scale(where: str, opt_state: Any) -> LossScale:
       f"{where} must be an optimizer state holding one loss scale (or a"
       f" LossScale), found {len(found)} in {_validation.describe(opt_state)}."
     )
-  loss_scale: LossScale = found[0].loss_scale
-  return loss_scale
+  return found[0].loss_scale  # type: ignore[no-any-return]

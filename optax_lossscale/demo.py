@@ -1,6 +1,7 @@
 """Why loss scaling matters: a float16 network trained four ways.
 
-Run with `python -m optax_lossscale.demo` (`--help` for the flags). It trains
+Run with `python -m optax_lossscale.demo` (`--help` for the flags; `--quick`
+for a run of seconds). It trains
 the same deep sigmoid network on scikit-learn's digits (shipped inside the
 package: nothing is downloaded) with the standard mixed-precision recipe,
 float32 master weights and float16 compute, and compares a float32 reference,
@@ -109,7 +110,7 @@ def _loss(params: Any, x: jax.Array, y: jax.Array, dtype: Any) -> jax.Array:
   return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, y))
 
 
-def _make_chunk(dtype: Any, tx: optax.GradientTransformation) -> Any:
+def _make_chunk(dtype: Any, tx: ols.LossScaleOptimizer) -> Any:
   """A jitted function that runs a few training steps in one `lax.scan`."""
 
   def step(
@@ -130,10 +131,10 @@ def _make_chunk(dtype: Any, tx: optax.GradientTransformation) -> Any:
       )
     )
     alive = sum(jnp.sum(r != 0) for r in jax.tree.leaves(reference))
-    params, opt_state = ols.apply_gradients(tx, grads, opt_state, params)
+    params, opt_state = tx.apply_gradients(grads, opt_state, params)
     stats = {
       "loss": loss,
-      "loss_scale": ols.get_loss_scale(opt_state)(),
+      "loss_scale": opt_state.loss_scale(),
       "underflow": lost / jnp.maximum(alive, 1),
     }
     return (params, opt_state), stats
@@ -181,7 +182,7 @@ def train(
   tqdm = _require("tqdm").tqdm
   x_train, y_train, x_test, y_test = data
   params = _init(jax.random.PRNGKey(args.seed))
-  tx = ols.loss_scale_optimizer(optax.adam(LEARNING_RATE), loss_scale)
+  tx = ols.LossScaleOptimizer(optax.adam(LEARNING_RATE), loss_scale)
   opt_state = tx.init(params)
   run_chunk = _make_chunk(dtype, tx)
   rng = np.random.RandomState(args.seed + 1)
@@ -211,7 +212,7 @@ def train(
     "underflow": float(np.mean(history["underflow"])),
     "first_underflow": history["underflow"][0],
     "skipped": int(opt_state.skipped_steps),
-    "loss_scale": float(ols.get_loss_scale(opt_state)()),
+    "loss_scale": float(opt_state.loss_scale()),
   }
 
 
@@ -238,7 +239,7 @@ def _make_fault_chunk(tx: ols.LossScaleOptimizer) -> Any:
     params, state = carry
     x, y, nan, weight = batch
     x = jnp.where(nan, jnp.nan, x)  # NaN inputs: a failed forward pass
-    before = ols.get_loss_scale(state)()
+    before = state.loss_scale()
     loss, grads = ols.scaled_value_and_grad(_weighted_loss)(
       state, params, x, y, weight
     )
@@ -246,7 +247,7 @@ def _make_fault_chunk(tx: ols.LossScaleOptimizer) -> Any:
     stats = {
       "loss": loss,
       "scale_before": before,
-      "loss_scale": ols.get_loss_scale(state)(),
+      "loss_scale": state.loss_scale(),
     }
     return (params, state), stats
 
@@ -389,10 +390,10 @@ def dropped_batches(data: tuple[np.ndarray, ...], args: Any) -> dict[str, int]:
   return {
     "steps": steps,
     "tf_dropped": int(tf_state.skipped_steps),
-    "tf_scale": float(ols.get_loss_scale(tf_state)()),
+    "tf_scale": float(tf_state.loss_scale()),
     "retry_dropped": int(retry_state.skipped_steps),
     "retries": int(retry_state.retries),
-    "retry_scale": float(ols.get_loss_scale(retry_state)()),
+    "retry_scale": float(retry_state.loss_scale()),
   }
 
 
@@ -492,7 +493,13 @@ def _plot(
   fig.savefig(path, dpi=90)
 
 
-def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+# `--quick`: a first look in seconds (and the test's run): the steps and
+# batch size that `--steps` and `--batch-size` otherwise default to.
+QUICK_STEPS, QUICK_BATCH_SIZE = 15, 32
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+  """The command line's arguments; exits with a message if one is invalid."""
   parser = argparse.ArgumentParser(
     prog="python -m optax_lossscale.demo",
     description="Train a float16 network on scikit-learn's digits with and"
@@ -501,15 +508,19 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
   parser.add_argument(
     "--steps",
     type=int,
-    default=800,
-    help="training steps per run (default: %(default)s)",
+    help="training steps per run (default: 800; 15 with --quick)",
   )
   parser.add_argument("--seed", type=int, default=0, help="random seed")
   parser.add_argument(
     "--batch-size",
     type=int,
-    default=512,
-    help="examples per step; the loss is their mean (default: %(default)s)",
+    help="examples per step; the loss is their mean (default: 512; 32 with"
+    " --quick)",
+  )
+  parser.add_argument(
+    "--quick",
+    action="store_true",
+    help="a short run: fewer steps on smaller batches",
   )
   parser.add_argument(
     "--out",
@@ -518,12 +529,18 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     " (default: %(default)s)",
   )
   args = parser.parse_args(argv)
+  if args.steps is None:
+    args.steps = QUICK_STEPS if args.quick else 800
+  if args.batch_size is None:
+    args.batch_size = QUICK_BATCH_SIZE if args.quick else 512
   if args.steps < 1 or args.batch_size < 1:
     parser.error("--steps and --batch-size must be positive")
-  for module in ("sklearn.datasets", "tqdm", "matplotlib"):
-    _require(module)
+  return args
 
-  print(
+
+def _setting(args: argparse.Namespace) -> str:
+  """What the demo trains, and what its table's columns mean."""
+  return (
     f"Setting: {DEPTH} sigmoid layers of width {WIDTH} (LeCun-normal"
     f" initialisation); Adam (learning rate {LEARNING_RATE}); float32 master"
     f" weights, float16 compute; {args.steps} steps, each the mean loss over"
@@ -536,6 +553,13 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     "underflow@1: share of the gradient entries lost at step 1; underflow:"
     " the mean over the run."
   )
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+  args = _parse(argv)
+  for module in ("sklearn.datasets", "tqdm", "matplotlib"):
+    _require(module)
+  print(_setting(args))
   start = time.perf_counter()
   data = _load_digits(args.seed)
   results = [train(name, dtype, ls, data, args) for name, dtype, ls in RUNS]
