@@ -130,8 +130,9 @@ def environment(
       optax_lossscale (as `pip` names them, e.g. `"dm-haiku"`).
 
   Returns:
-    The command, backend, device (its kind and how many), host, versions
-    and date (UTC), by those names, in that order.
+    The command, backend, device (its kind and how many), host, versions,
+    load average (a busy machine's figures are noisy) and date (UTC), by
+    those names, in that order.
   """
   device = jax.devices()[0]
   names = ("jax", "jaxlib", "optax", "optax_lossscale", *packages)
@@ -145,6 +146,9 @@ def environment(
       f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}"
     ),
     "versions": ", ".join(versions),
+    "load average": "{:.2f}, {:.2f}, {:.2f} (1, 5, 15 min, at start)".format(
+      *os.getloadavg()
+    ),
     "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
   }
 
@@ -159,7 +163,7 @@ def header(command: str | None = None, packages: Sequence[str] = ()) -> str:
 
   Returns:
     A markdown list, one `- key: value` line each for the command, backend,
-    device, host, versions and date, without a final newline.
+    device, host, versions, load average and date, without a final newline.
 
   Examples:
     >>> print(header("python benchmarks/train_step.py"))  # doctest: +SKIP
@@ -168,6 +172,7 @@ def header(command: str | None = None, packages: Sequence[str] = ()) -> str:
     - device: cpu x 1
     - host: x86_64, 2 cores, Linux
     - versions: jax 0.10.2, jaxlib 0.10.2, optax 0.2.8, ...
+    - load average: 0.31, 0.52, 0.60 (1, 5, 15 min, at start)
     - date: 2026-12-03
   """
   env = environment(command, packages)

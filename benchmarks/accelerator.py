@@ -7,8 +7,8 @@ Usage: benchmarks/accelerator.sh [OUT.md] [--quick]   (runs this, after the
 Measures, in one process, configurations in turns, ratios only:
 
 - `step_overhead.py`'s main rows: plain adam, the fused step
-  (`loss_scale_optimizer + apply_gradients`), `chain(unscale_gradients,
-  adam)` and `loss_scale_optimizer` + `apply_updates`, on 16M float32
+  (`LossScaleOptimizer.apply_gradients`), `chain(unscale_gradients,
+  adam)` and `LossScaleOptimizer.update` + `apply_updates`, on 16M float32
   parameters in 8 leaves and on 400 and 100 leaves of 1,000 (gradients an
   input, parameters and state donated);
 - cond or select: the fused step as the library writes it (one `lax.cond`
@@ -46,13 +46,13 @@ import step_overhead
 import optax_lossscale as ols
 
 PLAIN = "plain adam"
-COND = "loss_scale_optimizer + apply_gradients"
+COND = "LossScaleOptimizer.apply_gradients"
 SELECT = "fused step, per-leaf select (optax.tree.where)"
 STEP_ROWS = [
   PLAIN,
   COND,
   "chain(unscale_gradients, adam)",
-  "loss_scale_optimizer",
+  "LossScaleOptimizer.update",
 ]
 # (workload, leaves, parameters a leaf)
 TREES = [
@@ -93,7 +93,7 @@ def fused_select() -> tuple[Any, Any]:
 
   def step(params, state, grads):
     loss_scale = state.loss_scale
-    finite = loss_scale.grads_finite(grads)
+    finite = ols.all_finite(grads)
     new_scale, applies = loss_scale.adjust(finite)
     updates, inner = adam.update(
       loss_scale.unscale(grads), state.inner_state, params

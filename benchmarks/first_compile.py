@@ -13,7 +13,7 @@ Two tables, written to benchmarks/COMPILE.md:
   before `LossScaleOptimizer`, `apply_gradients(loss_scale_optimizer(...))`;
   read with `git archive`, and left out where git, the commit or its import
   fails; `--baseline ""` leaves it out), and this checkout's fused step
-  (`LossScaleOptimizer.apply_gradients`) with and without a skip record. The
+  (`LossScaleOptimizer.apply_gradients`). The
   median of `--compiles` fresh compiles (a learning rate apart, so that none
   is served from JAX's caches), the configurations in turns in one process,
   the order rotated each round: the median and the range of each round's
@@ -165,9 +165,6 @@ def configs(baseline: Any | None, rev: str) -> dict[str, Config]:
   if baseline is not None:
     out[f"fused at {rev}"] = _baseline_fused(baseline)
   out["fused"] = lambda lr: step_overhead.fused_step(lr)
-  out["fused, no record"] = lambda lr: step_overhead.fused_step(
-    lr, record=False
-  )
   return out
 
 
@@ -283,7 +280,7 @@ TEXT = (
   " median and range). The times include JAX's tracing and lowering."
   " `fused` is `LossScaleOptimizer(adam,"
   " DynamicLossScale(2**10)).apply_gradients`, donated, as every step here"
-  " is; `no record` is its state without a skip record. `adam in one"
+  " is. `adam in one"
   " lax.cond` is plain Adam inside one conditional on a gradient's"
   " finiteness, with no check, unscaling or record: what the conditional"
   " alone costs to compile on this backend. `unscaled` is the same with its"
@@ -293,9 +290,9 @@ TEXT = (
 )
 BASELINE_TEXT = (
   " `fused at {rev}` is the fused step of commit `{rev}`"
-  " (`apply_gradients(loss_scale_optimizer(adam, DynamicLossScale(2**10)))`,"
-  " the last before `LossScaleOptimizer` and skip records), compiled by the"
-  " same JAX in the same process."
+  " (`apply_gradients(loss_scale_optimizer(adam, DynamicLossScale(2**10)))`),"
+  " read with `git archive` and compiled by the same JAX in the same"
+  " process."
 )
 PASS_TEXT = (
   "XLA's own time per HLO pass for one compile of each at"

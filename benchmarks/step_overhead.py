@@ -69,17 +69,16 @@ def config_plain():
   return optax_step(_adam())
 
 
-def config_loss_scale_optimizer():
-  return optax_step(
-    ols.loss_scale_optimizer(_adam(), ols.DynamicLossScale(SCALE))
-  )
+def config_update():
+  tx = ols.LossScaleOptimizer(_adam(), ols.DynamicLossScale(SCALE))
+  return optax_step(tx.gradient_transformation())
 
 
 def config_apply_gradients():
-  tx = ols.loss_scale_optimizer(_adam(), ols.DynamicLossScale(SCALE))
+  tx = ols.LossScaleOptimizer(_adam(), ols.DynamicLossScale(SCALE))
 
   def step(params, state, grads):
-    return ols.apply_gradients(tx, grads, state, params)
+    return tx.apply_gradients(grads, state, params)
 
   return tx.init, step
 
@@ -93,8 +92,7 @@ def fused_step(
     lr: Adam's learning rate.
     **options: `value` (passed as `value=`), `hysteresis`, `idle_callback`
       (a `jax.debug.callback` of the user's in a `cond` that never calls
-      it), `record` (False: a state without a skip record, as before records
-      existed) and `LossScaleOptimizer`'s own keyword arguments.
+      it) and `LossScaleOptimizer`'s own keyword arguments.
 
   Returns:
     `(init, step)`: `step(params, state, grads)` is `apply_gradients`,
@@ -103,16 +101,11 @@ def fused_step(
   value = options.pop("value", None)
   hysteresis = options.pop("hysteresis", 1)
   idle_callback = options.pop("idle_callback", False)
-  record = options.pop("record", True)
   tx = ols.LossScaleOptimizer(
     optax.adam(lr),
     ols.DynamicLossScale(SCALE, hysteresis=hysteresis),
     **options,
   )
-
-  def init(params):
-    state = tx.init(params)
-    return state if record else state._replace(last_skip=None)
 
   def step(params, state, grads):
     extra = {} if value is None else {"value": jnp.float32(value)}
@@ -125,14 +118,12 @@ def fused_step(
       )
     return params, state
 
-  return init, step
+  return tx.init, step
 
 
-# The failure-mode options (`--failure-modes`), each against the first: the
-# step as it was before skip records (a state without one computes none).
+# The failure-mode options (`--failure-modes`), each against the defaults.
 FAILURE_MODES: dict[str, Callable[..., Any]] = {
-  "no skip record (before)": functools.partial(fused_step, record=False),
-  "defaults (skip record)": functools.partial(fused_step),
+  "defaults": functools.partial(fused_step),
   "hysteresis=2": functools.partial(fused_step, hysteresis=2),
   "value= passed": functools.partial(fused_step, value=1.0),
   # Not an option of ours: any host callback in a step, for comparison.
@@ -203,8 +194,8 @@ def config_apply_if_finite():
 
 CONFIGS: dict[str, Callable[[], Any]] = {
   "plain adam": config_plain,
-  "loss_scale_optimizer": config_loss_scale_optimizer,
-  "loss_scale_optimizer + apply_gradients": config_apply_gradients,
+  "LossScaleOptimizer.update": config_update,
+  "LossScaleOptimizer.apply_gradients": config_apply_gradients,
   "chain(unscale_gradients, adam)": config_unscale_gradients,
   "jmp select_tree": config_jmp,
   "flax DynamicScale pattern": config_flax_pattern,
@@ -582,11 +573,10 @@ def failure_modes(out: str, repeats: int, compiles: int) -> None:
       lines.append(line)
   with open(f"{out}/FAILURE_MODES.md", "w") as f:
     f.write(
-      "# Failure-mode options against the step before skip records\n\n"
+      "# Failure-mode options against the defaults\n\n"
       f"{_timing.header()}\n\n"
-      "Ratios to the `LossScaleOptimizer.apply_gradients` step on a state"
-      " without a skip record (the step as it was before records), in one"
-      " process."
+      "Ratios to the `LossScaleOptimizer.apply_gradients` step with the"
+      " defaults, in one process."
       " Step per call: the jitted step called from Python. Step in a scan:"
       " one step of a compiled `lax.scan` loop of many. Compile: the median"
       f" of {compiles} first compiles.\n\n"
@@ -597,7 +587,7 @@ def failure_modes(out: str, repeats: int, compiles: int) -> None:
 
 SHARDED = [
   "plain adam",
-  "loss_scale_optimizer + apply_gradients",
+  "LossScaleOptimizer.apply_gradients",
   "chain(unscale_gradients, adam)",
 ]
 
