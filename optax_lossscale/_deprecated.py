@@ -47,7 +47,12 @@ def apply_gradients(
   A `LossScaleOptimizer` is recognised as itself or as the `update` method
   its `gradient_transformation()` holds.
   """
-  owner = getattr(getattr(tx, "update", None), "__self__", tx)
+  update = getattr(tx, "update", None)
+  if not callable(update):
+    raise TypeError(
+      f"`apply_gradients(tx=...)` must be an Optax transformation, got {tx!r:.60}."
+    )
+  owner = getattr(update, "__self__", tx)
   if isinstance(owner, LossScaleOptimizer):
     return owner.apply_gradients(grads, opt_state, params, **extra_args)
   updates, opt_state = tx.update(grads, opt_state, params, **extra_args)

@@ -47,9 +47,7 @@ def _map_floats(fn: Any, tree: Any) -> Any:
     if x is None or not _numerics.is_float(x):
       return x
     x = jnp.asarray(x)
-    wide = x.dtype
-    if jnp.issubdtype(wide, jnp.floating) and jnp.finfo(wide).bits < 32:
-      wide = jnp.dtype(jnp.float32)
+    wide = jnp.float32 if x.dtype.itemsize < 4 else x.dtype  # half: float32
     return fn(x.astype(wide), wide).astype(x.dtype)
 
   return jax.tree.map(leaf, tree, is_leaf=lambda x: x is None)

@@ -300,6 +300,10 @@ class LossScaleOptimizer:
   ) -> tuple[optax.Updates, LossScaleOptimizerState]:
     """One step: returns the updates (zeros when skipped) and the new state.
 
+    `inner.update` is traced twice: once more for the shapes of a skipped
+    step's zeros, which may differ from the gradients'. The fused step,
+    `apply_gradients`, traces it once.
+
     Args:
       grads: the scaled gradients.
       state: the state `init` returned, or the last step's.
@@ -318,6 +322,9 @@ class LossScaleOptimizer:
         of it was cast to another dtype (naming it), at trace time.
     """
 
+    call = "LossScaleOptimizer.update"
+    self._check_inputs(call, grads, state, params)
+
     def apply(params: Any, inner_state: Any) -> Any:
       unscaled = state.loss_scale.unscale(grads)
       return self.inner.update(unscaled, inner_state, params, **extra_args)
@@ -328,7 +335,6 @@ class LossScaleOptimizer:
     def skip(params: Any, inner_state: Any) -> tuple[Any, Any]:
       return optax.tree.zeros_like(updates_like), inner_state
 
-    call = "LossScaleOptimizer.update"
     return self._step(call, grads, state, params, extra_args, (apply, skip))
 
   def apply_gradients(
@@ -358,8 +364,9 @@ class LossScaleOptimizer:
       ValueError: as `update` does.
       TypeError: as `update` does.
     """
-    branches = self._fused(grads, state.loss_scale, extra_args)
     call = "LossScaleOptimizer.apply_gradients"
+    self._check_inputs(call, grads, state, params)
+    branches = self._fused(grads, state.loss_scale, extra_args)
     return self._step(call, grads, state, params, extra_args, branches)
 
   def _fused(
@@ -435,6 +442,7 @@ class LossScaleOptimizer:
     """
     call = "LossScaleOptimizer.minimize"
     _validation.integer(call, "max_retries", max_retries, minimum=0)
+    self._check_inputs(call, None, state, None)
     value_and_grad = scaled_value_and_grad(fun, has_aux=has_aux)
     loss_of = (lambda v: v[0]) if has_aux else (lambda v: v)
 
@@ -508,9 +516,6 @@ class LossScaleOptimizer:
     follows (`held`) writes nothing; that is folded into the one `cond`
     (a second conditional would make XLA copy what the retry loop carries).
     """
-    _validation.state(call, state, LossScaleOptimizerState)
-    check_dtypes(call, state, self._dtypes)
-    check_structure(call, grads, params)
     if attempt is None:
       value = extra_args.get("value")
       checks = check(call, state.loss_scale, grads, value, self.axis_name)
@@ -536,14 +541,23 @@ class LossScaleOptimizer:
     out, inner, last_skip = _cond.cond(
       applies, apply_, skip_, *operands, sharded_like=grads
     )
-    # A micro-batch that leaves an accumulation window open holds the scale.
-    hold = should_apply & _window_open(inner)
+    # A micro-batch that leaves an accumulation window open holds the scale
+    # (unless it was recomputed: that is an overflow).
+    hold = should_apply & _window_open(inner) & (retries == 0)
     loss_scale = tree_where(hold, state.loss_scale, loss_scale)
     new = _next_state(state, loss_scale, should_apply, checks, retries)
     new = new._replace(inner_state=inner, last_skip=last_skip)
     if held is not None:  # a held attempt keeps the scale and the counters
       new = tree_where(held, state._replace(inner_state=inner), new)
     return out, new
+
+  def _check_inputs(
+    self, call: str, grads: Any, state: Any, params: Any
+  ) -> None:
+    """Raises, at trace time, naming what is wrong with a step's inputs."""
+    _validation.state(call, state, LossScaleOptimizerState)
+    check_dtypes(call, state, self._dtypes)
+    check_structure(call, grads, params)
 
   def _decide(
     self,

@@ -11,7 +11,7 @@ import numpy as np
 from optax_lossscale import _validation
 from optax_lossscale._states import (
   LossScaleOptimizerState,
-  find_states,
+  find_one,
   first_copy,
 )
 
@@ -95,13 +95,8 @@ class _Members(NamedTuple):
 
 def _read(call: str, opt_state: Any) -> _Members:
   """Reads the one `LossScaleOptimizerState` in `opt_state` on the host."""
-  found = find_states(opt_state, (LossScaleOptimizerState,))
-  if len(found) != 1:
-    raise ValueError(
-      f"`{call}(opt_state)` expects one LossScaleOptimizerState in the"
-      f" state, found {len(found)}."
-    )
-  state = found[0]
+  types = (LossScaleOptimizerState,)
+  state = find_one(f"`{call}(opt_state)`", opt_state, types)
   skipped = np.asarray(first_copy(state.skipped_steps))
   size = skipped.size
 

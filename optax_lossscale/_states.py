@@ -173,14 +173,19 @@ def check_dtypes(call: str, state: Any, like: Any) -> None:
     _validation.array_dtype(where, leaf, want.dtype)
 
 
-def find_loss_scale(where: str, opt_state: Any) -> LossScale:
-  """The one loss scale held in `opt_state`, at any depth, or raises."""
-  found = find_states(
-    opt_state, (UnscaleGradientsState, LossScaleOptimizerState)
-  )
+def find_one(where: str, opt_state: Any, types: tuple[type, ...]) -> Any:
+  """The one node of `opt_state` of the given types, or a `ValueError`."""
+  found = find_states(opt_state, types)
   if len(found) != 1:
     raise ValueError(
-      f"{where} must be an optimizer state holding one loss scale (or a"
-      f" LossScale), found {len(found)} in {_validation.describe(opt_state)}."
+      f"{where} must be an optimizer state holding one"
+      f" {' or '.join(t.__name__ for t in types)}, found {len(found)} in"
+      f" {_validation.describe(opt_state)}."
     )
-  return found[0].loss_scale  # type: ignore[no-any-return]
+  return found[0]
+
+
+def find_loss_scale(where: str, opt_state: Any) -> LossScale:
+  """The one loss scale held in `opt_state`, at any depth, or raises."""
+  types = (UnscaleGradientsState, LossScaleOptimizerState)
+  return find_one(where, opt_state, types).loss_scale  # type: ignore[no-any-return]

@@ -112,14 +112,9 @@ def in_range(where: str, value: Any, low: float, high: float) -> None:
   data = host_values(value)
   if data is None:
     return
-  with np.errstate(invalid="ignore"):
-    bad = ~((data >= low) & (data <= high))
-  if bad.any():
-    index = tuple(int(i) for i in np.argwhere(bad)[0])
-    at = f" at index {index}" if data.ndim else ""
+  bad = data[~((data >= low) & (data <= high))]  # NaN included
+  if bad.size:
     bounds = (
       f"at least {low:g}" if high == np.inf else f"in [{low:g}, {high:g}]"
     )
-    raise ValueError(
-      f"{where} must be {bounds}, got {data[index].item()!r}{at}."
-    )
+    raise ValueError(f"{where} must be {bounds}, got {bad.flat[0].item()!r}.")

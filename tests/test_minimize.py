@@ -1,6 +1,15 @@
-"""LossScaleOptimizer.minimize: one train step, retrying overflowed batches."""
+"""`minimize` and `scaled_value_and_grad`: one train step, retrying overflows.
+
+The one rule for retries and hysteresis: a batch recomputed at lower scales
+is one non-finite step for the loss scale. It spends one unit of hysteresis
+budget and keeps the scale while budget remains; once none remains, the
+scale drops to the scale the batch fit at (or, if it never fit, one below
+its last attempt).
+"""
 
 from __future__ import annotations
+
+import functools
 
 import chex
 import jax
@@ -8,26 +17,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
+from jax import lax
 
 import optax_lossscale as ols
 
-pytestmark = [
-  pytest.mark.usefixtures("standard_promotion"),
-  pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-]
+pytestmark = pytest.mark.usefixtures("standard_promotion")
 
 X = jnp.linspace(-1.0, 1.0, 8).reshape(4, 2)
 
 
-def _last_skip(state):
-  """The last skip an unbatched state records, or None."""
-  reports = ols.skip_reports(state)
-  assert len(reports) <= 1 and all(r.member is None for r in reports)
-  return reports[0] if reports else None
-
-
 def _loss(params, x):
+  """Finite, but its float16 gradients overflow at scales above 2**17."""
   h = x.astype(jnp.float16) @ params["w"].astype(jnp.float16)
   return jnp.mean(h.astype(jnp.float32) ** 2) + jnp.sum(params["b"] ** 2)
 
@@ -36,30 +36,86 @@ def _params():
   return {"w": jnp.full((2, 3), 0.5), "b": jnp.ones(3)}
 
 
-def test_no_retries_equals_scaled_value_and_grad_then_apply_gradients():
-  tx = ols.LossScaleOptimizer(optax.adam(0.1), ols.DynamicLossScale(2.0**15, 3))
+FIT = 2.0**17  # the highest power of two at which `_loss` fits on X
+
+
+@jax.jit
+def _fits(scale):
+  loss_scale = ols.DynamicLossScale(1.0, current_loss_scale=scale)
+  grads = jax.grad(lambda p: loss_scale.scale(_loss(p, X)))(_params())
+  return ols.all_finite(grads)
+
+
+def test_fit_is_the_highest_scale_that_fits():
+  assert bool(_fits(jnp.float32(FIT))) and not bool(_fits(jnp.float32(2 * FIT)))
+
+
+@jax.jit
+def _sgd_step(params):
+  """One sgd(0.1) step on `_loss`'s true gradients."""
+  grads = jax.grad(_loss)(params, X)
+  return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+
+@functools.cache
+def _retrying(hysteresis, max_retries):
+  """An optimizer and its jitted `minimize` step on X, compiled once."""
+  tx = ols.LossScaleOptimizer(
+    optax.sgd(0.1), ols.DynamicLossScale(2.0**24, 100, hysteresis=hysteresis)
+  )
+  step = jax.jit(
+    lambda p, s, x: tx.minimize(_loss, p, s, x, max_retries=max_retries)
+  )
+  return tx, step
+
+
+# --- without retries -----------------------------------------------------------
+
+
+def test_minimize_is_scaled_value_and_grad_then_apply_gradients():
+  tx = ols.LossScaleOptimizer(
+    optax.sgd(0.1, momentum=0.9), ols.DynamicLossScale(2.0**15, 3)
+  )
   p1 = p2 = _params()
   s1 = s2 = tx.init(p1)
 
   @jax.jit
   def manual(p, s, x):
     loss, grads = ols.scaled_value_and_grad(_loss)(s, p, x)
-    p, s = ols.apply_gradients(tx, grads, s, p, value=loss)
+    p, s = tx.apply_gradients(grads, s, p, value=loss)
     return loss, p, s
 
   step = jax.jit(lambda p, s, x: tx.minimize(_loss, p, s, x))
-  for i in range(8):
+  for i in range(5):
     x = X * (1e4 if i == 2 else 1.0)  # one overflow
     l1, p1, s1 = step(p1, s1, x)
     l2, p2, s2 = manual(p2, s2, x)
     assert float(l1) == float(l2)
     chex.assert_trees_all_equal(s1.loss_scale, s2.loss_scale)
-    assert int(s1.skipped_steps) == int(s2.skipped_steps)
-  assert int(s1.skipped_steps) >= 1
+  assert int(s1.skipped_steps) == 1 == int(s2.skipped_steps)
   chex.assert_trees_all_close((p1, s1), (p2, s2), rtol=1e-6)
 
 
-def test_retries_recompute_the_batch_at_a_lower_scale_and_apply_it():
+def test_has_aux_and_keyword_arguments_reach_fun():
+  def loss(params, x, *, scale):
+    value = _loss(params, x) * scale
+    return value, {"double": 2 * value}
+
+  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale(2.0**10))
+  params = _params()
+  (value, aux), _, state = jax.jit(
+    lambda p, s: tx.minimize(
+      loss, p, s, X, scale=2.0, has_aux=True, max_retries=2
+    )
+  )(params, tx.init(params))
+  assert float(aux["double"]) == 2 * float(value) > 0
+  assert int(state.skipped_steps) == 0
+
+
+# --- retries and hysteresis: the one rule -----------------------------------------
+
+
+def test_retries_recompute_the_batch_in_one_trace_and_apply_it():
   traces, passes = [], []
 
   def loss(params, x):
@@ -67,48 +123,76 @@ def test_retries_recompute_the_batch_at_a_lower_scale_and_apply_it():
     jax.debug.callback(lambda: passes.append(1))
     return _loss(params, x)
 
-  ls = ols.DynamicLossScale(2.0**24, 100, hysteresis=3)
-  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ls)
+  # Momentum: a second update of the inner state would show in its trace.
+  tx = ols.LossScaleOptimizer(
+    optax.sgd(0.1, momentum=0.9), ols.DynamicLossScale(2.0**24, 100)
+  )
   params = _params()
-  state = tx.init(params)
+  fresh = tx.init(params)
   step = jax.jit(
     lambda p, s, x: tx.minimize(loss, p, s, x, max_retries=16),
     donate_argnums=(0, 1),
   )
-  value, params, state = step(params, state, X)
+  value, new_params, state = step(params, tx.init(params), X)
   jax.effects_barrier()
-  assert len(traces) == 1  # traced once
-  retries = int(state.retries)
-  assert retries > 0 and len(passes) == retries + 1
+  assert len(traces) == 1  # `fun` is traced once
+  assert int(state.retries) == 7 and len(passes) == 8  # 2**24 down to 2**17
   assert int(state.skipped_steps) == 0 and bool(state.should_apply)
-  # Each retry halved the scale as TensorFlow does, whatever the hysteresis;
-  # the successful attempt then counts as a finite step.
-  scale = float(ols.get_loss_scale(state)())
-  assert scale == 2.0**24 / 2**retries
-  assert int(state.loss_scale.num_good_steps) == 1
-  assert int(state.loss_scale.hysteresis_budget) == 3
-  # The gradients scaled by that scale were finite; one scale higher was not.
-  scaled = jax.grad(lambda p: ols.FixedLossScale(scale).scale(_loss(p, X)))
-  assert bool(ols.all_finite(scaled(_params())))
-  higher = jax.grad(lambda p: ols.FixedLossScale(2 * scale).scale(_loss(p, X)))
-  assert not bool(ols.all_finite(higher(_params())))
-  # The next step runs one pass.
-  passes.clear()
-  _, params, state = step(params, state, X)
-  jax.effects_barrier()
-  assert len(passes) == 1 and int(state.retries) == retries
-
-
-def test_retries_stop_at_the_limit_then_skip_under_the_ordinary_rules():
-  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale(2.0**24))
-  params = _params()
-  _, new_params, state = tx.minimize(
-    _loss, params, tx.init(params), X, max_retries=2
+  np.testing.assert_allclose(value, _loss(_params(), X), rtol=1e-6)
+  # The attempt that fit is applied once, as sgd on the true gradients.
+  chex.assert_trees_all_close(new_params, _sgd_step(_params()), rtol=1e-6)
+  chex.assert_trees_all_close(
+    state.inner_state[0].trace, jax.grad(_loss)(_params(), X), rtol=1e-6
   )
+  # Retried attempts write no skip record.
+  assert ols.skip_reports(state) == []
+  chex.assert_trees_all_equal(state.last_skip, fresh.last_skip)
+  # hysteresis=1: the scale drops to the scale the batch fit at.
+  assert float(state.loss_scale()) == FIT
+  assert int(state.loss_scale.num_good_steps) == 0
+  assert int(state.loss_scale.num_bad_steps) == 1
+  passes.clear()
+  _, _, state = step(new_params, state, X)  # now it fits: one pass
+  jax.effects_barrier()
+  assert len(passes) == 1 and int(state.retries) == 7
+
+
+def test_retried_batches_spend_hysteresis_then_drop_to_the_fit_scale():
+  # DynamicLossScale(2**24, hysteresis=3), three bad batches: each one is
+  # applied; the first two spend budget and keep 2**24, the third drops the
+  # scale to the one the batch fit at.
+  tx, step = _retrying(hysteresis=3, max_retries=20)
+  params = _params()  # the same batch and parameters every time
+  expected = _sgd_step(params)
+  state = tx.init(params)
+  seen = []
+  for _ in range(3):
+    _, new_params, state = step(params, state, X)
+    chex.assert_trees_all_close(new_params, expected, rtol=1e-6)
+    ls = state.loss_scale
+    seen.append((float(ls()), int(ls.num_bad_steps), int(ls.num_good_steps)))
+  assert seen == [(2.0**24, 1, 0), (2.0**24, 2, 0), (FIT, 3, 0)]
+  assert int(state.skipped_steps) == 0 and int(state.retries) == 3 * 7
+
+
+@pytest.mark.parametrize(
+  ("hysteresis", "scale", "bad"), [(1, 2.0**21, 1), (3, 2.0**24, 1)]
+)
+def test_a_batch_that_never_fits_is_skipped_under_the_same_rule(
+  hysteresis, scale, bad
+):
+  # Two retries (2**23, 2**22), then the batch is dropped: for the loss scale
+  # one non-finite step whose "fit" scale is one below its last attempt.
+  tx, step = _retrying(hysteresis, max_retries=2)
+  params = _params()
+  _, new_params, state = step(params, tx.init(params), X)
   assert int(state.retries) == 2 and int(state.skipped_steps) == 1
-  # Two retries (2**23, 2**22), then the skip halves once more.
-  assert float(ols.get_loss_scale(state)()) == 2.0**21
+  assert not bool(state.should_apply)
+  assert float(state.loss_scale()) == scale
+  assert int(state.loss_scale.num_bad_steps) == bad
   chex.assert_trees_all_equal(new_params, params)
+  report = ols.skip_reports(state)[0]  # the last attempt's scale
+  assert (report.loss_scale, report.next_loss_scale) == (2.0**22, scale)
 
 
 def test_retries_stop_at_min_loss_scale():
@@ -117,144 +201,82 @@ def test_retries_stop_at_min_loss_scale():
   params = _params()
   _, _, state = tx.minimize(_loss, params, tx.init(params), X, max_retries=8)
   assert int(state.retries) == 1 and int(state.skipped_steps) == 1
-  assert float(ols.get_loss_scale(state)()) == 2.0**23
+  assert float(state.loss_scale()) == 2.0**23
+  assert ols.skip_reports(state)[0].loss_scale == 2.0**23
 
 
 def test_no_retry_when_the_loss_is_not_finite():
-  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale(2.0**10))
+  tx, step = _retrying(hysteresis=1, max_retries=2)
   params = _params()
-  state = tx.init(params)
-  value, _, state = tx.minimize(
-    _loss, params, state, X * jnp.nan, max_retries=8
-  )
+  _, new_params, state = step(params, tx.init(params), X * jnp.nan)
   assert int(state.retries) == 0 and int(state.skipped_steps) == 1
   assert int(state.nonfinite_loss_steps) == 1
-  assert float(ols.get_loss_scale(state)()) == 2.0**10
+  assert float(state.loss_scale()) == 2.0**24  # no scale fixes the loss
+  chex.assert_trees_all_equal(new_params, params)
 
 
-def test_has_aux_and_kwargs():
-  def loss(params, x, *, scale):
-    value = _loss(params, x) * scale
-    return value, {"double": 2 * value}
+def test_vmap_members_retry_alone():
+  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale(2.0**15))
+  # Member i's float16 gradients overflow until the scale is 2**(15 - i).
+  size = jnp.asarray([1.0, 3.0, 6.0, 12.0], jnp.float32)[:, None]
+  params = {"w": jnp.ones((4, 2)) * size}
 
-  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale(2.0**20))
-  params = _params()
-  (value, aux), _, state = jax.jit(
-    lambda p, s: tx.minimize(
-      loss, p, s, X, scale=2.0, has_aux=True, max_retries=9
+  def loss(p, c):
+    return jnp.sum(p["w"].astype(jnp.float16) ** 2).astype(jnp.float32) * c
+
+  def step(p, s, c):
+    return tx.minimize(loss, p, s, c, max_retries=3)
+
+  cs = jnp.asarray([1.0, 1.0, 1.0, jnp.nan])
+  _, new_params, new_state = jax.jit(jax.vmap(step))(
+    params, jax.vmap(tx.init)(params), cs
+  )
+  assert np.asarray(new_state.retries).tolist() == [1, 2, 3, 0]
+  assert np.asarray(new_state.should_apply).tolist() == [1, 1, 1, 0]
+  assert np.asarray(new_state.loss_scale()).tolist() == [
+    2.0**14,
+    2.0**13,
+    2.0**12,
+    2.0**15,  # the NaN loss: skipped, the scale kept
+  ]
+  alone = jax.jit(step)
+  for i in range(4):
+    p = jax.tree.map(lambda x, i=i: x[i], params)
+    _, p1, s1 = alone(p, tx.init(p), cs[i])
+    chex.assert_trees_all_close(
+      jax.tree.map(lambda x, i=i: x[i], new_params), p1, rtol=1e-6
     )
-  )(params, tx.init(params))
-  assert float(aux["double"]) == 2 * float(value)
-  assert int(state.skipped_steps) == 0
+    chex.assert_trees_all_equal(
+      jax.tree.map(lambda x, i=i: x[i], new_state._replace(inner_state=None)),
+      s1._replace(inner_state=None),
+    )
 
 
-@pytest.mark.parametrize(
-  "loss_scale", [ols.FixedLossScale(8), ols.NoOpLossScale()]
-)
-def test_max_retries_with_a_loss_scale_that_cannot_be_lowered(loss_scale):
-  tx = ols.LossScaleOptimizer(optax.sgd(0.1), loss_scale)
-  params = _params()
-  with pytest.raises(ValueError, match="max_retries"):
-    tx.minimize(_loss, params, tx.init(params), X, max_retries=1)
-  tx.minimize(_loss, params, tx.init(params), X)  # max_retries=0 is fine
-
-
-def test_max_retries_validation():
-  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale())
-  params = _params()
-  with pytest.raises(ValueError, match="max_retries"):
-    tx.minimize(_loss, params, tx.init(params), X, max_retries=-1)
-  with pytest.raises(TypeError, match="max_retries"):
-    tx.minimize(_loss, params, tx.init(params), X, max_retries=1.0)
-  with pytest.raises(TypeError, match="has_aux"):
-    tx.minimize(_loss, params, tx.init(params), X, has_aux=1)
-
-
-def test_retried_attempts_record_nothing_and_a_dropped_batch_once():
-  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale(2.0**24))
-  monitor = ols.SkipMonitor(max_consecutive_skips=2, log=None)
-  params = _params()
-  step = jax.jit(
-    lambda p, s, x, r: tx.minimize(_loss, p, s, x, max_retries=r),
-    static_argnums=3,
-  )
-  # Retries that end in a finite attempt: no skip, so no record.
-  _, _, state = step(params, tx.init(params), X, 16)
-  assert _last_skip(state) is None and int(state.retries) > 0
-  assert monitor(state) is None
-  # Retries that run out: one record, of the last attempt's scale.
-  _, new_params, state = step(params, tx.init(params), X, 2)
-  report = monitor(state)
-  assert report.loss_scale == 2.0**22 and report.next_loss_scale == 2.0**21
-  assert report.consecutive_skipped_steps == 1 and report.nonfinite
-  assert report.skipped_steps == 1
-  chex.assert_trees_all_equal(new_params, params)
-  # The next dropped batch (a NaN loss: no retry) is the second in a row.
-  _, _, state = step(params, state, X * jnp.nan, 2)
-  with pytest.raises(ols.ConsecutiveSkipsError, match="2 consecutive"):
-    monitor(state)
-
-
-def test_retries_that_run_out_then_skip_under_hysteresis():
-  # The retries lower the scale whatever the hysteresis; the final skip is
-  # an ordinary non-finite step: it spends budget and does not lower.
-  ls = ols.DynamicLossScale(2.0**24, hysteresis=2)
-  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ls)
-  params = _params()
-  _, new_params, state = tx.minimize(
-    _loss, params, tx.init(params), X, max_retries=1
-  )
-  assert int(state.retries) == 1 and int(state.skipped_steps) == 1
-  assert float(ols.get_loss_scale(state)()) == 2.0**23
-  assert int(state.loss_scale.hysteresis_budget) == 1
-  chex.assert_trees_all_equal(new_params, params)
-
-
-def test_a_retried_step_updates_the_inner_state_once():
-  tx = ols.LossScaleOptimizer(optax.adam(0.1), ols.DynamicLossScale(2.0**24))
-  params = _params()
-  _, new_params, state = jax.jit(
-    lambda p, s: tx.minimize(_loss, p, s, X, max_retries=16)
-  )(params, tx.init(params))
-  assert int(state.retries) > 0
-  scale = float(ols.get_loss_scale(state)())
-  # One Adam step on the gradients of the attempt that worked.
-  grads = jax.grad(_loss)(params, X)
-  reference = optax.adam(0.1)
-  updates, adam_state = reference.update(grads, reference.init(params), params)
-  assert int(state.inner_state[0].count) == 1
-  chex.assert_trees_all_close(
-    new_params, optax.apply_updates(params, updates), rtol=1e-6
-  )
-  chex.assert_trees_all_close(state.inner_state, adam_state, rtol=1e-6)
-  assert scale < 2.0**24
+# --- the retry loop's structure ---------------------------------------------------
 
 
 def test_the_retry_loop_carries_parameters_and_state_never_the_gradients():
-  # The update runs inside the loop's last iteration: the gradients stay
-  # temporaries of one iteration, so a step with retries needs no more memory
-  # than one without.
+  # The update runs in the loop's last iteration: the gradients stay
+  # temporaries of one iteration, and a step with retries needs no more
+  # memory than one without.
   big = {"w": jnp.zeros((64, 256)), "b": jnp.zeros(256)}
   x = jnp.ones((4, 64))
   loss = lambda p, x: jnp.sum((x @ p["w"] + p["b"][None]) ** 2)  # noqa: E731
-  tx = ols.LossScaleOptimizer(optax.adam(0.1), ols.DynamicLossScale())
+  tx = ols.LossScaleOptimizer(
+    optax.sgd(0.1, momentum=0.9), ols.DynamicLossScale()
+  )
   state = tx.init(big)
   jaxpr = jax.make_jaxpr(
     lambda p, s: tx.minimize(loss, p, s, x, max_retries=4)
   )(big, state)
-  (carry,) = [
-    [v.aval for v in eqn.outvars]
-    for eqn in jaxpr.jaxpr.eqns
-    if eqn.primitive.name == "while"
-  ]
-  expected = (
-    2  # attempts, again
-    + len(jax.tree.leaves(state.loss_scale))
-    + 1  # the loss
-    + len(jax.tree.leaves((big, state)))
+  (loop,) = [e for e in jaxpr.jaxpr.eqns if e.primitive is lax.while_p]
+  carried = len(loop.outvars)
+  # The attempt count, the "again" flag, the loss scale, the loss, and the
+  # parameters and state.
+  assert carried == 2 + len(jax.tree.leaves(state.loss_scale)) + 1 + len(
+    jax.tree.leaves((big, state))
   )
-  assert len(carry) == expected
-  compiled = {
+  temp = {
     retries: jax.jit(
       lambda p, s, r=retries: tx.minimize(loss, p, s, x, max_retries=r),
       donate_argnums=(0, 1),
@@ -262,94 +284,149 @@ def test_the_retry_loop_carries_parameters_and_state_never_the_gradients():
     .lower(big, state)
     .compile()
     .memory_analysis()
+    .temp_size_in_bytes
     for retries in (0, 4)
   }
-  assert compiled[4].temp_size_in_bytes <= 1.05 * compiled[0].temp_size_in_bytes
+  assert temp[4] <= 1.05 * temp[0]
 
 
-def test_calibration_first_batch_finds_a_workable_scale():
-  tx = ols.LossScaleOptimizer(optax.adam(1e-2), ols.DynamicLossScale(2.0**24))
+# --- errors ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("max_retries", [0, 2])
+def test_a_fun_returning_loss_and_aux_needs_has_aux(max_retries):
+  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale())
+  params = _params()
+  with pytest.raises(TypeError, match=r"pass `has_aux=True`"):
+    tx.minimize(
+      lambda p, x: (_loss(p, x), {"aux": 1.0}),
+      params,
+      tx.init(params),
+      X,
+      max_retries=max_retries,
+    )
+
+
+@pytest.mark.parametrize(
+  "loss_scale", [ols.FixedLossScale(8), ols.NoOpLossScale()], ids=repr
+)
+def test_max_retries_needs_a_loss_scale_that_can_be_lowered(loss_scale):
+  tx = ols.LossScaleOptimizer(optax.sgd(0.1), loss_scale)
+  params = _params()
+  with pytest.raises(
+    ValueError,
+    match=r"`LossScaleOptimizer.minimize\(max_retries=...\)` must be 0",
+  ):
+    tx.minimize(_loss, params, tx.init(params), X, max_retries=1)
+  jax.eval_shape(  # max_retries=0 is fine
+    lambda p, s: tx.minimize(_loss, p, s, X), params, tx.init(params)
+  )
+
+
+def test_minimize_names_a_bad_argument():
+  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale())
   params = _params()
   state = tx.init(params)
-  step = jax.jit(lambda p, s: tx.minimize(_loss, p, s, X, max_retries=16))
-  for _ in range(20):
-    _, params, state = step(params, state)
-  assert int(state.skipped_steps) == 0 and int(state.retries) > 0
+  with pytest.raises(ValueError, match=r"minimize\(max_retries=...\)"):
+    tx.minimize(_loss, params, state, X, max_retries=-1)
+  with pytest.raises(
+    TypeError,
+    match=r"minimize\(max_retries=...\)` must be an int, got float 1.0",
+  ):
+    tx.minimize(_loss, params, state, X, max_retries=1.0)
+  with pytest.raises(TypeError, match=r"\(has_aux=...\)` must be a bool"):
+    tx.minimize(_loss, params, state, X, has_aux=1)
+  with pytest.raises(TypeError, match=r"takes a callable, got int 3"):
+    tx.minimize(3, params, state)
 
 
-def test_nnx_functional_step_with_minimize():
-  # The frameworks guide's NNX recipe: split the model, minimize a pure function of the
-  # parameters, merge back.
-  class Model(nnx.Module):
-    def __init__(self, rngs):
-      kw = dict(dtype=jnp.float16, param_dtype=jnp.float32, rngs=rngs)
-      self.hidden = nnx.Linear(2, 8, **kw)
-      self.out = nnx.Linear(8, 1, **kw)
+# --- scaled_value_and_grad ----------------------------------------------------------
 
-    def __call__(self, x):
-      return self.out(jnp.tanh(self.hidden(x)))
 
-  model = Model(nnx.Rngs(0))
-  graphdef, params = nnx.split(model, nnx.Param)
-  tx = ols.LossScaleOptimizer(optax.adam(1e-2), ols.DynamicLossScale(2.0**24))
-  opt_state = tx.init(params)
-  y = jnp.sin(X[:, :1] * 3)
+def test_scaled_value_and_grad_returns_the_loss_and_aux_and_scaled_grads():
+  def loss_fn(w, x):
+    return jnp.sum((w * x) ** 2), {"norm": jnp.sum(w)}
 
-  def loss_fn(params, x, y):
-    model = nnx.merge(graphdef, params)
-    return jnp.mean((model(x).astype(jnp.float32) - y) ** 2)
-
-  @jax.jit
-  def train_step(params, opt_state, x, y):
-    return tx.minimize(loss_fn, params, opt_state, x, y, max_retries=16)
-
-  losses = []
-  for _ in range(50):
-    loss, params, opt_state = train_step(params, opt_state, X, y)
-    losses.append(float(loss))
-  nnx.update(model, params)
-  assert losses[-1] < 0.5 * losses[0]
-  assert int(opt_state.skipped_steps) == 0
+  w, x = jnp.array([1.0, 2.0]), jnp.array([3.0, 4.0])
+  (loss, aux), grads = ols.scaled_value_and_grad(loss_fn, has_aux=True)(
+    ols.FixedLossScale(8), w, x
+  )
+  assert float(loss) == 73.0 and float(aux["norm"]) == 3.0
   np.testing.assert_array_equal(
-    model.out.kernel.value, params["out"]["kernel"].value
+    grads, 8 * jax.grad(lambda w: loss_fn(w, x)[0])(w)
   )
+  _, (gw, gx) = ols.scaled_value_and_grad(
+    lambda w, x: loss_fn(w, x)[0], argnums=(0, 1)
+  )(ols.FixedLossScale(2), w, x)
+  np.testing.assert_array_equal(gx, 2 * 2 * w**2 * x)
+  assert gw.shape == (2,)
 
 
-def test_linen_train_state_with_minimize():
-  # The frameworks guide's linen recipe: TrainState holds the optimizer itself.
-  from flax import linen as nn
-  from flax.training import train_state
-
-  class Model(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-      x = nn.Dense(8, dtype=jnp.float16, param_dtype=jnp.float32)(x)
-      return nn.Dense(1, dtype=jnp.float16, param_dtype=jnp.float32)(x)
-
-  model = Model()
-  tx = ols.LossScaleOptimizer(optax.adam(1e-2), ols.DynamicLossScale(2.0**24))
-  state = train_state.TrainState.create(
-    apply_fn=model.apply,
-    params=model.init(jax.random.PRNGKey(0), X)["params"],
-    tx=tx,
+@pytest.mark.parametrize(
+  "make",
+  [
+    lambda ls: ols.LossScaleOptimizer(optax.sgd(0.1), ls),
+    lambda ls: optax.chain(
+      optax.identity(),
+      ols.LossScaleOptimizer(optax.chain(optax.clip(1.0), optax.sgd(0.1)), ls),
+    ),
+    lambda ls: optax.chain(ols.unscale_gradients(ls), optax.adam(0.1)),
+    lambda ls: optax.MultiSteps(ols.LossScaleOptimizer(optax.adam(0.1), ls), 4),
+    lambda ls: optax.inject_hyperparams(
+      lambda learning_rate: optax.chain(
+        ols.unscale_gradients(ls), optax.sgd(learning_rate)
+      )
+    )(0.1),
+    lambda ls: optax.multi_transform(
+      {
+        "a": ols.LossScaleOptimizer(
+          optax.sgd(0.1), ls
+        ).gradient_transformation(),
+        "b": optax.set_to_zero(),
+      },
+      {"w": "a", "b": "b"},
+    ),
+  ],
+  ids=[
+    "optimizer",
+    "chain",
+    "unscale-chain",
+    "multisteps",
+    "inject",
+    "multi_transform",
+  ],
+)
+def test_scaled_value_and_grad_finds_the_loss_scale_in_a_nested_state(make):
+  params = {"w": jnp.ones(2), "b": jnp.ones(1)}
+  state = make(ols.DynamicLossScale(64.0)).init(params)
+  loss, grads = ols.scaled_value_and_grad(lambda p: jnp.sum(p["w"]))(
+    state, params
   )
-  y = jnp.sin(X[:, :1] * 3)
+  assert float(loss) == 2.0
+  np.testing.assert_array_equal(grads["w"], [64.0, 64.0])
 
-  @jax.jit
-  def train_step(state, x, y):
-    def loss_fn(params):
-      pred = state.apply_fn({"params": params}, x).astype(jnp.float32)
-      return jnp.mean((pred - y) ** 2)
 
-    loss, params, opt_state = state.tx.minimize(
-      loss_fn, state.params, state.opt_state, max_retries=4
+def test_scaled_value_and_grad_says_the_first_argument_is_the_state():
+  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale())
+  params = {"w": jnp.ones(2)}
+  grad_fn = ols.scaled_value_and_grad(lambda p: jnp.sum(p["w"]))
+  # The arguments swapped: the parameters hold no loss scale.
+  with pytest.raises(
+    ValueError,
+    match=r"first argument .* must be an optimizer state.*found 0 in dict",
+  ):
+    grad_fn(params, tx.init(params))
+  two = optax.chain(
+    ols.unscale_gradients(ols.FixedLossScale(2)),
+    ols.unscale_gradients(ols.FixedLossScale(4)),
+  )
+  with pytest.raises(ValueError, match="found 2"):
+    grad_fn(two.init(params), params)
+  with pytest.raises(
+    TypeError, match=r"`scaled_value_and_grad\(fun\)` takes a callable"
+  ):
+    ols.scaled_value_and_grad(3)  # type: ignore[arg-type]
+  with pytest.raises(TypeError, match="pass `has_aux=True`"):
+    ols.scaled_value_and_grad(lambda p: (jnp.sum(p["w"]), 1))(
+      tx.init(params), params
     )
-    return state.replace(
-      step=state.step + 1, params=params, opt_state=opt_state
-    ), loss
-
-  losses = []
-  for _ in range(40):
-    state, loss = train_step(state, X, y)
-    losses.append(float(loss))
-  assert losses[-1] < 0.5 * losses[0] and int(state.step) == 40

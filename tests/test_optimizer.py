@@ -1,207 +1,778 @@
-"""LossScaleOptimizer: one class, one step, a safe extension point."""
+"""LossScaleOptimizer: update, apply_gradients and gradient_transformation.
+
+An applied step is `inner` on the unscaled gradients; a skipped step changes
+nothing but the loss scale, the counters and the skip record. The step's
+structure is read from its jaxpr: one `cond`, the gradients read once, no
+host callback.
+"""
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import pathlib
 from typing import Any
 
 import chex
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
-from flax.training import train_state
+from jax import lax
+from jax.experimental import checkify
 from jax.sharding import PartitionSpec as P
 
 import optax_lossscale as ols
 
-pytestmark = [
-  pytest.mark.usefixtures("standard_promotion"),
-  pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-]
+pytestmark = pytest.mark.usefixtures("standard_promotion")
+
+INF = float("inf")
+NAN = float("nan")
 
 
-def _params():
-  return {"w": jnp.linspace(-1.0, 1.0, 6).reshape(2, 3), "b": jnp.zeros(3)}
+def _params(dtype=jnp.float32):
+  return {
+    "w": jnp.linspace(-1.0, 1.0, 6, dtype=jnp.float32)
+    .reshape(2, 3)
+    .astype(dtype),
+    "b": jnp.zeros(3, dtype),
+  }
 
 
-def _grads(scale, bad=False):
-  g = {"w": jnp.full((2, 3), 0.5) * scale, "b": jnp.ones(3) * scale}
-  if bad:
-    g["w"] = g["w"].at[1, 2].set(jnp.nan)
-  return g
+def _unscaled(t, params):
+  """Step `t`'s unscaled gradients; step 3's hold an inf."""
+  rng = np.random.default_rng(t)
+  grads = {
+    k: rng.normal(size=v.shape).astype(np.float32) for k, v in params.items()
+  }
+  if t == 3:
+    grads["b"][1] = np.inf
+  return grads
 
 
-# --- the class and its three entry points -------------------------------------
+def _scaled(grads, state):
+  """`grads` times the state's loss scale (a power of two: exact)."""
+  scale = np.float32(state.loss_scale())
+  return jax.tree.map(lambda g: jnp.asarray(g * scale), grads)
 
 
-def test_apply_gradients_matches_update_then_apply_updates():
-  tx = ols.LossScaleOptimizer(optax.adam(0.1), ols.DynamicLossScale(8.0, 2))
-  p_fused = p_plain = _params()
-  s_fused = s_plain = tx.init(p_fused)
-  fused = jax.jit(tx.apply_gradients)
-  update = jax.jit(tx.update)
-  for i in range(6):
-    grads = _grads(ols.get_loss_scale(s_plain)(), bad=i == 3)
-    p_fused, s_fused = fused(grads, s_fused, p_fused)
-    updates, s_plain = update(grads, s_plain, p_plain)
-    p_plain = optax.apply_updates(p_plain, updates)
-  assert int(s_fused.skipped_steps) == 1
-  chex.assert_trees_all_close((p_fused, s_fused), (p_plain, s_plain), rtol=1e-6)
+def _eqns(jaxpr):
+  """Every equation of `jaxpr`, nested ones (cond branches, loops) included."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      yield from _eqns(sub)
 
 
-def test_gradient_transformation_and_factory_take_the_fused_path():
-  opt = ols.LossScaleOptimizer(optax.adam(0.1), ols.DynamicLossScale(8.0))
-  params = _params()
-  state = opt.init(params)
-  grads = _grads(8.0)
+def _count(jaxpr, primitive):
+  return sum(e.primitive is primitive for e in _eqns(jaxpr))
 
-  def jaxpr(tx, state=state):
-    return str(
-      jax.make_jaxpr(lambda g, s, p: ols.apply_gradients(tx, g, s, p))(
-        grads, state, params
+
+# --- applied and skipped steps --------------------------------------------------
+
+
+def test_gradient_transformation_is_the_instance_s_init_and_update():
+  tx = ols.LossScaleOptimizer(optax.adam(0.1), ols.DynamicLossScale())
+  transformation = tx.gradient_transformation()
+  assert isinstance(transformation, optax.GradientTransformationExtraArgs)
+  assert transformation.init == tx.init and transformation.update == tx.update
+
+
+@pytest.mark.parametrize(
+  ("inner", "entry", "scales"),
+  [
+    ("adam", "update", [8, 16, 16, 8, 8, 16]),
+    ("adam", "apply_gradients", [8, 16, 16, 8, 8, 16]),
+    # The scale moves once per window of two; the inf moves it at once.
+    ("multisteps", "apply_gradients", [8, 8, 8, 4, 4, 4]),
+  ],
+)
+def test_applied_steps_are_inner_on_unscaled_grads_and_a_skip_changes_nothing(
+  inner, entry, scales
+):
+  inner = {
+    "adam": lambda: optax.adam(0.1),
+    "multisteps": lambda: optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2),
+  }[inner]
+  tx = ols.LossScaleOptimizer(inner(), ols.DynamicLossScale(8.0, 2))
+  reference = inner()
+  reference_update = jax.jit(reference.update)
+  params = expected = _params()
+  state, ref_state = tx.init(params), reference.init(params)
+  step = jax.jit(getattr(tx, entry))
+  seen = []
+  for t in range(6):
+    grads = _unscaled(t, params)
+    out, new_state = step(_scaled(grads, state), state, params)
+    new_params = (
+      out if entry == "apply_gradients" else optax.apply_updates(params, out)
+    )
+    if t == 3:  # skipped: parameters and inner state bit for bit
+      chex.assert_trees_all_equal(new_params, params)
+      chex.assert_trees_all_equal(new_state.inner_state, state.inner_state)
+      if entry != "apply_gradients":
+        chex.assert_trees_all_equal(out, jax.tree.map(jnp.zeros_like, params))
+      assert not bool(new_state.should_apply)
+    else:  # applied: inner on the unscaled gradients
+      updates, ref_state = reference_update(grads, ref_state, expected)
+      expected = optax.apply_updates(expected, updates)
+      assert bool(new_state.should_apply)
+    params, state = new_params, new_state
+    chex.assert_trees_all_close(params, expected, rtol=1e-6, atol=1e-7)
+    chex.assert_trees_all_close(
+      state.inner_state, ref_state, rtol=1e-6, atol=1e-7
+    )
+    seen.append(float(state.loss_scale()))
+  assert seen == scales
+  assert int(state.skipped_steps) == 1 and int(state.retries) == 0
+
+
+# One optimizer with an inner state, its steps compiled once for the tests
+# that share it (each with the loss as `value=`).
+TX = ols.LossScaleOptimizer(
+  optax.sgd(0.1, momentum=0.9), ols.DynamicLossScale(8.0)
+)
+APPLY = jax.jit(TX.apply_gradients)
+UPDATE = jax.jit(TX.update)
+W = {"w": jnp.ones(2)}
+
+
+def test_counters_count_skips_nonfinite_losses_and_streaks():
+  state = TX.init(W)
+  # (gradient, loss): the loss is given as `value=` on every step.
+  pattern = [(1, 1), (NAN, 1), (1, 1), (INF, 1), (1, NAN), (1, INF), (1, 1)]
+  counts = []
+  for grad, loss in pattern:
+    before = state
+    _, state = APPLY(
+      {"w": jnp.full(2, grad)}, state, W, value=jnp.float32(loss)
+    )
+    if state.should_apply:  # an applied step leaves the record bit for bit
+      chex.assert_trees_all_equal(state.last_skip, before.last_skip)
+    else:  # a skipped one the inner state
+      chex.assert_trees_all_equal(state.inner_state, before.inner_state)
+    counts.append(
+      (
+        int(state.skipped_steps),
+        int(state.consecutive_skipped_steps),
+        int(state.nonfinite_loss_steps),
+        bool(state.should_apply),
       )
     )
-
-  fused = jaxpr(opt)
-  assert jaxpr(opt.gradient_transformation()) == fused
-  factory = ols.loss_scale_optimizer(optax.adam(0.1), ols.DynamicLossScale(8.0))
-  assert jaxpr(factory) == fused
-  # A plain chain is update then apply_updates: the update leaves the cond.
-  chain = optax.chain(opt.gradient_transformation())
-  assert "cond" in jaxpr(chain, (state,))
-  assert jaxpr(chain, (state,)) != fused
-  assert isinstance(opt.gradient_transformation(), optax.GradientTransformation)
-
-
-def test_an_instance_is_a_duck_typed_optax_transformation():
-  opt = ols.LossScaleOptimizer(optax.sgd(1.0), ols.FixedLossScale(4))
-  chained = optax.chain(opt, optax.scale(0.5))
-  params = {"w": jnp.ones(2)}
-  updates, _ = chained.update({"w": jnp.full(2, 4.0)}, chained.init(params))
-  np.testing.assert_array_equal(updates["w"], [-0.5, -0.5])
-
-
-def test_inner_type_error_reaches_the_user_once_and_inner_is_traced_once():
-  calls = []
-
-  def update(updates, state, params=None):
-    calls.append(1)
-    raise TypeError("my inner's own message")
-
-  inner = optax.GradientTransformation(lambda p: optax.EmptyState(), update)
-  tx = ols.LossScaleOptimizer(inner, ols.FixedLossScale(2))
-  params = {"w": jnp.ones(2)}
-  with pytest.raises(TypeError, match="my inner's own message"):
-    jax.jit(tx.update)({"w": jnp.ones(2)}, tx.init(params), params)
-  assert len(calls) == 1
+  assert counts == [
+    (0, 0, 0, True),
+    (1, 1, 0, False),
+    (1, 0, 0, True),
+    (2, 1, 0, False),
+    (3, 2, 1, False),
+    (4, 3, 2, False),
+    (4, 0, 2, True),
+  ]
+  for counter in (
+    "skipped_steps",
+    "consecutive_skipped_steps",
+    "nonfinite_loss_steps",
+    "retries",
+  ):
+    assert getattr(state, counter).dtype == jnp.int32
+  # Two overflows lowered the scale; the two non-finite losses did not.
+  assert float(state.loss_scale()) == 2.0
+  # An applied step synchronises nothing with the host.
+  grads, one = {"w": jnp.ones(2)}, jnp.float32(1)
+  with jax.transfer_guard("disallow"):
+    for _ in range(2):
+      _, state = APPLY(grads, state, W, value=one)
+    jax.block_until_ready(state)
+  assert int(state.consecutive_skipped_steps) == 0
 
 
-@pytest.mark.parametrize("entry", ["update", "apply_gradients"])
-def test_inner_is_traced_once_per_trace_of_the_step(entry):
-  calls = []
-  adam = optax.adam(0.1)
+@pytest.mark.parametrize(
+  ("loss_scale", "entry"),
+  [
+    (TX.loss_scale, "apply_gradients"),
+    (TX.loss_scale, "update"),
+    (ols.FixedLossScale(8), "apply_gradients"),
+  ],
+  ids=["dynamic", "dynamic-update", "fixed"],
+)
+def test_a_nonfinite_loss_skips_and_keeps_the_scale(loss_scale, entry):
+  if loss_scale is TX.loss_scale:
+    tx, step = TX, {"update": UPDATE, "apply_gradients": APPLY}[entry]
+  else:
+    tx = ols.LossScaleOptimizer(optax.sgd(0.1, momentum=0.9), loss_scale)
+    step = jax.jit(getattr(tx, entry))
+  _, state = step({"w": jnp.ones(2)}, tx.init(W), W, value=jnp.float32(1))
+  for loss in [NAN, INF]:
+    # Finite gradients, non-finite loss: skipped, the loss scale kept.
+    out, new = step({"w": jnp.ones(2)}, state, W, value=jnp.float32(loss))
+    chex.assert_trees_all_equal(new.loss_scale, state.loss_scale)
+    chex.assert_trees_all_equal(new.inner_state, state.inner_state)
+    assert not bool(new.should_apply)
+    state = new
+  assert int(state.nonfinite_loss_steps) == 2 == int(state.skipped_steps)
 
-  def update(updates, state, params=None):
-    calls.append(1)
-    return adam.update(updates, state, params)
 
-  tx = ols.LossScaleOptimizer(
-    optax.GradientTransformation(adam.init, update), ols.DynamicLossScale(4.0)
+@pytest.mark.parametrize(
+  "loss_scale", [ols.FixedLossScale(2), ols.NoOpLossScale()], ids=repr
+)
+def test_skip_nonfinite_false_with_fixed_and_noop_is_tensorflow(loss_scale):
+  grads, params = {"w": jnp.array([NAN, 1.0])}, {"w": jnp.zeros(2)}
+  skipping = ols.LossScaleOptimizer(optax.sgd(1.0), loss_scale)
+  updates, state = skipping.update(grads, skipping.init(params), params)
+  assert not bool(state.should_apply) and int(state.skipped_steps) == 1
+  np.testing.assert_array_equal(updates["w"], [0.0, 0.0])
+  tf_exact = ols.LossScaleOptimizer(
+    optax.sgd(1.0), loss_scale, skip_nonfinite=False
   )
-  params = _params()
+  updates, state = tf_exact.update(grads, tf_exact.init(params), params)
+  assert bool(state.should_apply) and int(state.skipped_steps) == 0
+  assert bool(jnp.isnan(updates["w"][0]))
+  np.testing.assert_array_equal(updates["w"][1], -1.0 / float(loss_scale()))
+
+
+# --- TensorFlow's optimizer test vectors ---------------------------------------
+
+
+@pytest.mark.parametrize(
+  ("inner", "loss_scale", "loss", "params", "trace"),
+  [
+    # (params, loss scale) after each step, from TensorFlow's tests.
+    (
+      optax.sgd(2.0),
+      ols.FixedLossScale(10),
+      lambda v: v,
+      5.0,
+      [(5, 10), (3, 10)],
+    ),
+    (
+      optax.sgd(2.0),
+      ols.DynamicLossScale(2, 1, 2),
+      lambda v: v,
+      5.0,
+      [(5, 2), (3, 4), (1, 8)],
+    ),
+    (
+      optax.sgd(2.0),
+      ols.DynamicLossScale(2, 1, 2),
+      lambda v: v * jnp.nan,
+      5.0,
+      [(5, 2), (5, 1)],
+    ),
+    (
+      optax.sgd(1.0, momentum=1.0),
+      ols.DynamicLossScale(2, 1, 4),
+      jnp.sum,
+      [1.0, 2.0],
+      [([1, 2], 2), ([0, 1], 8), ([-2, -1], 32)],
+    ),
+  ],
+  ids=["fixed", "dynamic", "nan", "momentum"],
+)
+def test_tensorflow_optimizer_vectors(inner, loss_scale, loss, params, trace):
+  tx = ols.LossScaleOptimizer(inner, loss_scale)
+  params = jnp.asarray(params)
   state = tx.init(params)
-  step = jax.jit(getattr(tx, entry))
-  for _ in range(3):
-    out, state = step(_grads(4.0), state, params)
-  assert len(calls) == 1
+  seen = [(params.tolist(), float(state.loss_scale()))]
+
+  @jax.jit
+  def step(params, state):
+    _, grads = ols.scaled_value_and_grad(loss)(state, params)
+    return tx.apply_gradients(grads, state, params)
+
+  for _ in trace[1:]:
+    params, state = step(params, state)
+    seen.append((params.tolist(), float(state.loss_scale())))
+  assert seen == trace
 
 
-def test_inner_whose_updates_differ_in_dtype_and_structure():
+# --- jit, donation, dtypes, scan ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  ("dtype", "loss_scale"),
+  [
+    (jnp.float16, ols.DynamicLossScale(64.0)),
+    (jnp.bfloat16, ols.FixedLossScale(64)),
+    (jnp.float32, ols.NoOpLossScale()),
+  ],
+  ids=["float16", "bfloat16", "float32"],
+)
+def test_donated_jit_step_keeps_dtypes_and_does_not_retrace(dtype, loss_scale):
+  tx = ols.LossScaleOptimizer(optax.sgd(0.5, momentum=0.9), loss_scale)
+  traces = []
+
+  def step(grads, state, params):
+    traces.append(1)
+    # Strict promotion: a float16 gradient silently promoted would fail.
+    with jax.numpy_dtype_promotion("strict"):
+      updates, _ = tx.update(grads, state, params)
+      new_params, new_state = tx.apply_gradients(grads, state, params)
+    return updates, new_params, new_state
+
+  donated = jax.jit(step, donate_argnums=(1, 2))
+  params = _params(dtype)
+  state = tx.init(params)
+  template = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, state)
+  )
+  for value in [64, INF, 64]:
+    grads = jax.tree.map(lambda p, v=value: jnp.full_like(p, v), params)
+    old = params
+    updates, params, state = donated(grads, state, params)
+    assert old["w"].is_deleted()  # donated, updated in place
+    chex.assert_trees_all_equal_dtypes(updates, params)
+    chex.assert_trees_all_equal_shapes_and_dtypes((params, state), template)
+  assert len(traces) == 1 and donated._cache_size() == 1
+  assert int(state.skipped_steps) == 1
+
+
+def test_lax_scan_over_steps_keeps_the_state_and_counts_skips():
+  x = jax.random.normal(jax.random.PRNGKey(0), (8, 4))
+  y = x @ jnp.array([1.0, -2.0, 0.5, 3.0])
+
+  def loss_fn(p):
+    pred = x.astype(jnp.float16) @ p["w"].astype(jnp.float16)
+    return jnp.mean((pred.astype(jnp.float32) - y) ** 2)
+
+  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale(2**15, 5))
+  params = {"w": jnp.zeros(4)}
+  state = tx.init(params)
+
+  def body(carry, _):
+    params, state = carry
+    loss, grads = ols.scaled_value_and_grad(loss_fn)(state, params)
+    params, state = tx.apply_gradients(grads, state, params, value=loss)
+    return (params, state), (loss, state.should_apply)
+
+  (new_params, new_state), (losses, applied) = jax.jit(
+    lambda c: lax.scan(body, c, None, length=60)
+  )((params, state))
+  chex.assert_trees_all_equal_shapes_and_dtypes(
+    (new_params, new_state), (params, state)
+  )
+  assert int(new_state.skipped_steps) == int(jnp.sum(~applied)) > 0
+  assert float(losses[-1]) < 0.05 * float(losses[0])
+  kept = lax.cond(True, lambda s: s, lambda s: s, new_state)
+  chex.assert_trees_all_equal_shapes_and_dtypes(kept, state)
+
+
+# --- the step's structure, read from its jaxpr -----------------------------------
+
+REDUCTIONS = {
+  lax.reduce_max_p,
+  lax.reduce_min_p,
+  lax.reduce_sum_p,
+  lax.reduce_and_p,
+  lax.reduce_or_p,
+  lax.reduce_prod_p,
+}
+
+
+def _step_jaxpr(entry, tx, params):
+  state = tx.init(params)
+  if entry == "minimize":
+    loss = lambda p: sum(jnp.sum(x) for x in jax.tree.leaves(p))  # noqa: E731
+    fn = lambda g, s, p: tx.minimize(loss, p, s)  # noqa: E731
+  elif entry == "minimize-retries":
+    loss = lambda p: sum(jnp.sum(x) for x in jax.tree.leaves(p))  # noqa: E731
+    fn = lambda g, s, p: tx.minimize(loss, p, s, max_retries=3)  # noqa: E731
+  else:
+    method = getattr(tx, entry)
+    fn = lambda g, s, p: method(g, s, p, value=jnp.float32(1))  # noqa: E731
+  return jax.make_jaxpr(fn)(params, state, params).jaxpr
+
+
+@pytest.mark.parametrize(
+  "entry", ["update", "apply_gradients", "minimize", "minimize-retries"]
+)
+def test_one_cond_per_step_and_no_host_callback(entry):
+  tx = ols.LossScaleOptimizer(optax.adam(0.1), ols.DynamicLossScale())
+  jaxpr = _step_jaxpr(entry, tx, _params())
+  assert _count(jaxpr, lax.cond_p) == 1
+  if entry == "minimize-retries":  # the one cond is the retry loop's body's
+    (loop,) = [e for e in jaxpr.eqns if e.primitive is lax.while_p]
+    assert _count(loop.params["body_jaxpr"].jaxpr, lax.cond_p) == 1
+  else:
+    assert sum(e.primitive is lax.cond_p for e in jaxpr.eqns) == 1
+    # The skip is the cond, not a select over the parameters or state.
+    selects = [
+      e.outvars[0].aval.shape
+      for e in _eqns(jaxpr)
+      if e.primitive is lax.select_n_p and e.outvars[0].aval.shape != ()
+    ]
+    assert selects == []
+  assert not any("callback" in e.primitive.name for e in _eqns(jaxpr))
+
+
+@pytest.mark.parametrize(
+  ("entry", "n", "shape"),
+  [
+    ("update", 3, (10, 10)),  # small leaves: checked in a stack
+    ("update", 40, (70, 70)),  # larger ones: checked in place
+    ("apply_gradients", 40, (10, 10)),
+    ("apply_gradients", 3, (70, 70)),
+  ],
+)
+def test_each_gradient_element_is_reduced_once_and_unscaled_in_the_cond(
+  entry, n, shape
+):
+  tx = ols.LossScaleOptimizer(optax.adam(1e-3), ols.DynamicLossScale())
+  params = {f"p{i}": jnp.ones(shape) for i in range(n)}
+  jaxpr = _step_jaxpr(entry, tx, params)
+  outside = [e for e in jaxpr.eqns if e.primitive is not lax.cond_p]
+  reduced = sum(
+    e.invars[0].aval.size
+    for e in outside
+    for e in [e, *_eqns_of(e)]
+    if e.primitive in REDUCTIONS and e.invars[0].aval.size > n
+  )
+  assert reduced == n * shape[0] * shape[1]
+  # The unscaling runs inside the cond, fused into the inner update, and so
+  # does `apply_gradients`' addition to the parameters: nothing outside it
+  # computes an array of the gradients' size.
+  big = {
+    e.primitive.name
+    for e in outside
+    for e in [e, *_eqns_of(e)]
+    if any(getattr(v.aval, "size", 0) >= shape[0] * shape[1] for v in e.outvars)
+  }
+  assert not big & {"mul", "div", "add", "sub"}, big
+  if entry == "apply_gradients":  # new parameters and Adam's two moments
+    (cond,) = [e for e in jaxpr.eqns if e.primitive is lax.cond_p]
+    assert sum(v.aval.shape == shape for v in cond.outvars) == 3 * n
+
+
+def _eqns_of(eqn):
+  for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+    yield from _eqns(sub)
+
+
+def test_a_loss_scale_below_one_checks_the_unscaled_gradients():
+  # Unscaling by a scale below 1 can overflow a finite float16 gradient: the
+  # check then reads the unscaled gradients, and catches it.
+  ls = ols.DynamicLossScale(0.5, 1, 2.0, min_loss_scale=0.5)
+  tx = ols.LossScaleOptimizer(optax.sgd(1.0), ls)
+  grads = {"w": jnp.array([60000.0, 1.0], jnp.float16)}  # finite, 2x is not
+  jaxpr = _step_jaxpr("update", tx, grads)
+  outside = [e for e in jaxpr.eqns if e.primitive is not lax.cond_p]
+  assert any(
+    e.primitive is lax.mul_p and e.outvars[0].aval.shape == (2,)
+    for e in outside
+  )
+  # (Behaviour: `test_a_user_loss_scale_below_one_...`, and the reports'.)
+
+
+def test_the_skip_record_is_written_in_the_skip_branch_only():
+  tx = ols.LossScaleOptimizer(optax.adam(0.1), ols.DynamicLossScale())
+  params = _params()
+  jaxpr = _step_jaxpr("apply_gradients", tx, params)
+  (cond,) = [e for e in jaxpr.eqns if e.primitive is lax.cond_p]
+  skip, apply = (b.jaxpr for b in cond.params["branches"])
+  record = len(jax.tree.leaves(tx.init(params).last_skip))
+  # The applied branch passes the record through; the skip branch writes it.
+  assert all(v in apply.invars for v in apply.outvars[-record:])
+  assert not all(v in skip.invars for v in skip.outvars[-record:])
+  # (`test_counters_...` checks that an applied step leaves it bit for bit.)
+
+
+def test_the_check_needs_no_more_memory_than_the_one_liner():
+  # No copy of a large leaf (nor a float32 conversion of a float16 one) is
+  # written out to check it, beyond what `jnp.all(jnp.isfinite(x))` needs.
+  tree = [jnp.ones((300, 320), jnp.float16), jnp.ones(7, jnp.float16)]
+
+  def one_liner(tree):
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in tree]))
+
+  ours, reference = (
+    jax.jit(f).lower(tree).compile().memory_analysis().temp_size_in_bytes
+    for f in (ols.all_finite, one_liner)
+  )
+  assert ours <= reference
+
+
+def test_the_skip_record_needs_no_buffer_of_the_gradients_size():
+  # Compared with Adam in one `lax.cond` on `all_finite`, the step's own
+  # temporary memory is small: the record holds one flag per leaf.
+  params = {f"p{i}": jnp.zeros(300_000) for i in range(4)}
+  adam = optax.adam(0.1)
+  tx = ols.LossScaleOptimizer(adam, ols.DynamicLossScale())
+
+  def reference(grads, state, params):
+    def apply(params, state):
+      updates, state = adam.update(grads, state, params)
+      return optax.apply_updates(params, updates), state
+
+    return lax.cond(ols.all_finite(grads), apply, lambda *a: a, params, state)
+
+  def temp(fn, state):
+    compiled = (
+      jax.jit(fn, donate_argnums=(1, 2)).lower(params, state, params).compile()
+    )
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  ours = temp(tx.apply_gradients, tx.init(params))
+  assert ours <= temp(reference, adam.init(params)) + 2**20
+
+
+# --- debugging tools: no NaN of the library's own ---------------------------------
+
+
+def _inf_step(entry):
+  """A step whose float16 gradients overflow to inf (never NaN), loss finite."""
+  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale(2.0**10))
+  params = {"w": jnp.ones(2)}
+
+  def loss(p):
+    return jnp.sum(p["w"].astype(jnp.float16) * jnp.float16(1000)).astype(
+      jnp.float32
+    )
+
+  grads = {"w": jnp.array([INF, 1.0])}
+  steps = {
+    "update": lambda p, s: tx.update(grads, s, p),
+    "apply_gradients": lambda p, s: tx.apply_gradients(grads, s, p),
+    "minimize": lambda p, s: tx.minimize(loss, p, s),
+    "minimize-retries": lambda p, s: tx.minimize(loss, p, s, max_retries=1),
+  }
+  return steps[entry], params, tx.init(params)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize(
+  "entry", ["update", "apply_gradients", "minimize", "minimize-retries"]
+)
+def test_debug_nans_accepts_a_skipped_inf_step(entry, jit):
+  step, params, state = _inf_step(entry)
+  with jax.debug_nans(True):
+    *_, new_state = (jax.jit(step) if jit else step)(params, state)
+    assert not bool(ols.all_finite({"w": jnp.array([INF])}))
+  assert not bool(new_state.should_apply)
+  assert int(new_state.skipped_steps) == 1
+  assert int(new_state.retries) == (1 if entry == "minimize-retries" else 0)
+
+
+@pytest.mark.parametrize(
+  "entry", ["update", "apply_gradients", "minimize-retries"]
+)
+def test_checkify_nan_checks_find_no_error_in_a_skipped_inf_step(entry):
+  step, params, state = _inf_step(entry)
+  error, (*_, new_state) = jax.jit(
+    checkify.checkify(step, errors=checkify.nan_checks)
+  )(params, state)
+  assert error.get() is None
+  assert int(new_state.skipped_steps) == 1
+
+
+# --- composition with Optax ---------------------------------------------------
+
+
+def test_an_instance_is_a_duck_typed_transformation_in_a_chain():
+  tx = ols.LossScaleOptimizer(optax.sgd(1.0), ols.FixedLossScale(4))
+  params = {"w": jnp.ones(2)}
+  for link in [tx, tx.gradient_transformation()]:
+    chained = optax.chain(link, optax.scale(0.5))
+    updates, state = chained.update(
+      {"w": jnp.full(2, 4.0)}, chained.init(params)
+    )
+    np.testing.assert_array_equal(updates["w"], [-0.5, -0.5])
+    assert isinstance(state[0], ols.LossScaleOptimizerState)
+
+
+def test_clipping_inside_sees_unscaled_gradients_and_before_sees_scaled_ones():
+  # The gradient [3, 4] has norm 5: clipped to norm 1, the step is -[.6, .8].
+  clip = optax.clip_by_global_norm(1.0)
+  loss_scale = ols.DynamicLossScale(2.0**10, increment_period=1)
+  inside = ols.LossScaleOptimizer(optax.chain(clip, optax.sgd(1.0)), loss_scale)
+  before = optax.chain(clip, ols.LossScaleOptimizer(optax.sgd(1.0), loss_scale))
+  params = {"w": jnp.zeros(2)}
+  intended = np.array([-0.6, -0.8], np.float32)
+  for tx, shrink in [(inside, False), (before, True)]:
+    state = tx.init(params)
+    step = jax.jit(tx.update)
+    for i in range(2):  # the scale doubles every step
+      scale = 2.0 ** (10 + i)
+      updates, state = step({"w": jnp.array([3.0, 4.0]) * scale}, state, params)
+      # Before, the clip sees gradients of norm 5 * scale: the step is
+      # `scale` times too small, and shrinks as the scale grows.
+      want = intended / scale if shrink else intended
+      np.testing.assert_allclose(updates["w"], want, rtol=1e-6)
+
+
+def test_a_schedule_does_not_advance_on_skipped_steps():
+  schedule = optax.linear_schedule(1.0, 0.0, 10)
+  inner = optax.inject_hyperparams(optax.sgd)(learning_rate=schedule)
+  tx = ols.LossScaleOptimizer(inner, ols.DynamicLossScale(4.0))
+  params = {"w": jnp.zeros(1)}
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  for value in [1.0, NAN, NAN, 1.0]:
+    _, state = step({"w": jnp.full((1,), value)}, state, params)
+  # Two applied steps: the stored rate is the schedule's at count 1.
+  assert int(state.inner_state.count) == 2
+  rate = state.inner_state.hyperparams["learning_rate"]
+  assert float(rate) == float(schedule(1))
+
+
+def test_extra_args_and_the_loss_reach_the_inner_transformation():
+  seen = []
+
+  def update(updates, state, params=None, *, value=None, label=None):
+    seen.append((value, label))
+    return updates, state
+
+  inner = optax.GradientTransformationExtraArgs(
+    lambda p: optax.EmptyState(), update
+  )
+  tx = ols.LossScaleOptimizer(inner, ols.NoOpLossScale())
+  params = {"w": jnp.ones(1)}
+  tx.update(params, tx.init(params), params, value=jnp.float32(3.0), label="x")
+  assert {(float(v), label) for v, label in seen} == {(3.0, "x")}
+
+
+def test_an_inner_update_of_another_dtype_and_structure():
   def update(updates, state, params=None):
-    # Updates of another structure and dtype than the gradients.
     total = sum(jnp.sum(x) for x in jax.tree.leaves(updates))
     return {"total": total.astype(jnp.bfloat16)}, state
 
   inner = optax.GradientTransformation(lambda p: optax.EmptyState(), update)
   tx = ols.LossScaleOptimizer(inner, ols.DynamicLossScale(2.0))
-  state = tx.init(None)
   step = jax.jit(tx.update)
-  updates, state = step({"a": jnp.full(3, 2.0)}, state)
+  updates, state = step({"a": jnp.full(3, 2.0)}, tx.init(None))
   assert updates["total"].dtype == jnp.bfloat16 and float(updates["total"]) == 3
-  updates, state = step({"a": jnp.array([jnp.inf, 1.0, 1.0])}, state)
+  updates, state = step({"a": jnp.array([INF, 1.0, 1.0])}, state)
   assert float(updates["total"]) == 0 and int(state.skipped_steps) == 1
 
 
-def test_constructor_refuses_bad_arguments_naming_them():
-  adam, ls = optax.adam(1e-3), ols.DynamicLossScale()
-  with pytest.raises(TypeError, match="inner"):
-    ols.LossScaleOptimizer(object(), ls)
-  with pytest.raises(TypeError, match="loss_scale"):
-    ols.LossScaleOptimizer(adam, 2.0)
-  with pytest.raises(TypeError, match="skip_nonfinite"):
-    ols.LossScaleOptimizer(adam, ls, skip_nonfinite=1)
-  with pytest.raises(TypeError, match="on_skip"):  # see SkipMonitor
-    ols.LossScaleOptimizer(adam, ls, on_skip=print)
-  with pytest.raises(TypeError, match="frobnicate"):
-    ols.loss_scale_optimizer(adam, ls, frobnicate=True)
-  tx = ols.LossScaleOptimizer(adam, ls)
-  with pytest.raises(TypeError, match="LossScaleOptimizerState"):
-    tx.update({"w": jnp.ones(2)}, adam.init({"w": jnp.ones(2)}))
-  with pytest.raises(TypeError, match="value"):
-    p = {"w": jnp.ones(2)}
-    tx.update(p, tx.init(p), p, value=(jnp.ones(()), None))
+# `update` traces inner a second time, for the shapes of a skipped step's
+# zeros (its docstring says so); the fused step traces it once.
+@pytest.mark.parametrize("entry", ["apply_gradients"])
+def test_inner_is_traced_once_per_trace_of_the_step(entry):
+  calls = []
+  sgd = optax.sgd(0.1)
 
+  def update(updates, state, params=None):
+    calls.append(1)
+    return sgd.update(updates, state, params)
 
-@pytest.mark.parametrize("entry", ["update", "apply_gradients", "unscale"])
-def test_a_gradient_of_the_wrong_shape_is_named_before_tracing(entry):
-  params = _params()
-  grads = dict(_grads(8.0), b=jnp.ones(4))  # `b` is a vector of 3
-  if entry == "unscale":
-    tx = ols.unscale_gradients(ols.DynamicLossScale(8.0))
-    step = tx.update
-  else:
-    tx = ols.LossScaleOptimizer(optax.adam(0.1), ols.DynamicLossScale(8.0))
-    step = getattr(tx, entry)
-  with pytest.raises(ValueError, match=r"\['b'\] has shape \(4,\).* \(3,\)"):
-    jax.jit(step)(grads, tx.init(params), params)
+  tx = ols.LossScaleOptimizer(
+    optax.GradientTransformation(sgd.init, update), ols.DynamicLossScale(4.0)
+  )
+  params = {"w": jnp.ones(2)}
+  step = jax.jit(getattr(tx, entry))
+  state = tx.init(params)
+  for _ in range(3):
+    _, state = step(params, state, params)
+  assert len(calls) == 1
 
 
 @pytest.mark.parametrize("entry", ["update", "apply_gradients"])
-def test_gradients_that_vary_across_devices_name_the_missing_pmean(entry):
-  mesh = jax.make_mesh((1,), ("x",))
-  tx = ols.LossScaleOptimizer(
-    optax.adam(0.1), ols.DynamicLossScale(8.0), axis_name="x"
+def test_an_error_of_inner_reaches_the_user_as_it_is(entry):
+  def update(updates, state, params=None):
+    raise TypeError("my inner's own message")
+
+  inner = optax.GradientTransformation(lambda p: optax.EmptyState(), update)
+  tx = ols.LossScaleOptimizer(inner, ols.FixedLossScale(2))
+  params = {"w": jnp.ones(2)}
+  with pytest.raises(TypeError, match="my inner's own message") as error:
+    jax.jit(getattr(tx, entry))(params, tx.init(params), params)
+  assert type(error.value) is TypeError
+
+
+def test_optax_tree_helpers_walk_the_state():
+  state = TX.init(W)
+  assert isinstance(optax.tree.get(state, "loss_scale"), ols.DynamicLossScale)
+  one = jnp.float32(1)
+  _, state = UPDATE({"w": jnp.ones(2)}, state, W, value=one)  # a momentum
+  _, state = UPDATE({"w": jnp.full(2, NAN)}, state, W, value=one)  # a record
+  doubled = optax.tree.map_params(TX.init, lambda p: p * 2, state)
+  assert type(doubled) is ols.LossScaleOptimizerState
+  assert float(doubled.loss_scale()) == 4.0  # not a parameter: untouched
+  chex.assert_trees_all_equal(
+    doubled.inner_state[0].trace,
+    jax.tree.map(lambda m: m * 2, state.inner_state[0].trace),
   )
-  params = _params()
-  state = tx.init(params)
+  chex.assert_trees_all_equal(doubled.last_skip, state.last_skip)
 
-  def step(params, state, data):
-    grads = jax.tree.map(lambda p: p * data[0], params)  # no pmean: varying
-    if entry == "update":
-      return tx.update(grads, state)
-    return tx.apply_gradients(grads, state, params)
 
-  sharded = jax.shard_map(
-    step, mesh=mesh, in_specs=(P(), P(), P("x")), out_specs=(P(), P())
+# --- leaves that are not floating point ----------------------------------------
+
+
+IDENTITY = ols.LossScaleOptimizer(optax.identity(), ols.DynamicLossScale(4.0))
+
+
+@functools.cache
+def _identity_steps():
+  """`update` and `apply_gradients` of IDENTITY, compiled once."""
+
+  def both(grads, state, params):
+    updates, _ = IDENTITY.update(grads, state, params)
+    return updates, IDENTITY.apply_gradients(grads, state, params)
+
+  return jax.jit(both)
+
+
+@pytest.mark.parametrize("nan", [False, True])
+def test_integer_leaves_pass_through_and_are_never_named(nan):
+  params = {"n": jnp.arange(3), "w": jnp.ones(2)}
+  grads = {"n": jnp.arange(3), "w": jnp.array([8.0, NAN if nan else 4.0])}
+  updates, (new_params, new) = _identity_steps()(
+    grads, IDENTITY.init(params), params
   )
-  with pytest.raises(ValueError, match=r"vary across devices.*pmean\(grads"):
-    data = jax.device_put(jnp.ones(1), jax.NamedSharding(mesh, P("x")))
-    jax.jit(sharded)(params, state, data)
+  assert updates["n"].dtype == jnp.int32
+  np.testing.assert_array_equal(updates["n"], 0 if nan else grads["n"])
+  np.testing.assert_array_equal(
+    new_params["n"], params["n"] + (0 if nan else grads["n"])
+  )
+  assert bool(new.should_apply) is not nan
+  np.testing.assert_array_equal(new.last_skip.nonfinite, [False, nan])
 
 
-# --- the extension point: a user's own loss scale ---------------------------
+def test_float0_gradients_are_ignored_by_the_check():
+  tx = ols.LossScaleOptimizer(optax.identity(), ols.DynamicLossScale(4.0))
+  params = {"n": jnp.arange(3), "w": jnp.ones(2)}
+
+  def loss(p):
+    return jnp.sum(p["w"] * p["n"][:2].astype(jnp.float32)) * jnp.inf
+
+  grads = jax.grad(loss, allow_int=True)(params)
+  _, state = jax.jit(tx.update)(grads, tx.init(params), params)
+  assert ols.skip_reports(state)[0].nonfinite == ("['w']",)
+  only_float0 = jax.grad(lambda p: jnp.float32(1.0), allow_int=True)(
+    {"n": params["n"]}
+  )
+  _, state = tx.update(
+    only_float0, tx.init({"n": params["n"]}), {"n": params["n"]}
+  )
+  assert bool(state.should_apply)
+
+
+def test_a_nan_in_a_large_leaf_is_found():
+  params = {
+    "big": np.zeros(200_000, np.float32),
+    "small": np.zeros(3, np.float32),
+  }
+  tx = ols.LossScaleOptimizer(optax.sgd(1.0), ols.DynamicLossScale(8.0))
+  big = np.ones(200_000, np.float32)
+  big[177_777] = np.nan
+  grads = {"big": big, "small": np.ones(3, np.float32)}
+  new_params, state = jax.jit(tx.apply_gradients)(
+    grads, tx.init(params), params
+  )
+  assert not bool(state.should_apply)
+  assert not bool(jnp.any(new_params["big"]))
+
+
+# --- a user's own loss scale ---------------------------------------------------
 
 
 @ols.register_loss_scale
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, eq=False)
 class HalvingLossScale(ols.LossScale):
-  """Documented methods only: `__call__`, `adjust`, `get_config`."""
+  """The documented methods only: `__call__`, `adjust`, `get_config`."""
 
   factor: float = dataclasses.field(default=0.5, metadata=dict(static=True))
 
@@ -215,67 +786,237 @@ class HalvingLossScale(ols.LossScale):
     return {"factor": self.factor}
 
 
-def test_user_loss_scale_below_one_skips_a_float16_step_that_overflows():
+def test_a_user_loss_scale_below_one_skips_a_step_that_overflows_once_unscaled():
   ls = HalvingLossScale()
-  # 40000 is finite in float16; unscaled by 0.5 it is 80000: inf.
-  grads = {"w": jnp.array([40000.0, 1.0], jnp.float16)}
-  assert not bool(ls.grads_finite(grads))
   params = {"w": jnp.zeros(2, jnp.float16)}
   tx = ols.LossScaleOptimizer(optax.sgd(1e-3), ls)
-  state = tx.init(params)
-  new_params, state = jax.jit(tx.apply_gradients)(grads, state, params)
+  # 40000 is finite in float16; unscaled by 0.5 it is 80000: inf.
+  grads = {"w": jnp.array([40000.0, 1.0], jnp.float16)}
+  new_params, state = jax.jit(tx.apply_gradients)(
+    grads, tx.init(params), params
+  )
   assert not bool(state.should_apply) and int(state.skipped_steps) == 1
   np.testing.assert_array_equal(new_params["w"], params["w"])
-  updates, state2 = jax.jit(tx.update)(grads, tx.init(params), params)
-  np.testing.assert_array_equal(updates["w"], 0)
-  # apply_gradients, the factory and unscale_gradients see it too.
-  _, s3 = ols.apply_gradients(
-    ols.loss_scale_optimizer(optax.sgd(1e-3), ls), grads, state, params
-  )
-  assert int(s3.skipped_steps) == 2
-  chain = ols.unscale_gradients(ls)
-  _, u = chain.update(grads, chain.init(params))
-  assert not bool(u.should_apply)
-  # A gradient that stays finite once unscaled is applied.
   ok = {"w": jnp.array([1000.0, 1.0], jnp.float16)}
   new_params, state = tx.apply_gradients(ok, tx.init(params), params)
   assert bool(state.should_apply)
   np.testing.assert_allclose(new_params["w"], [-2.0, -0.002], rtol=1e-3)
-
-
-def test_user_loss_scale_serializes_and_is_found_in_the_state():
-  ls = HalvingLossScale(0.25)
-  config = ols.serialize(ls)
-  assert config == {
-    "class_name": "HalvingLossScale",
-    "config": {"factor": 0.25},
-  }
-  assert ols.deserialize(config).factor == 0.25
-  tx = ols.LossScaleOptimizer(optax.sgd(1.0), ls)
-  found = ols.get_loss_scale(tx.init({"w": jnp.ones(1)}))
-  assert isinstance(found, HalvingLossScale) and float(found()) == 0.25
+  assert ols.deserialize(ols.serialize(HalvingLossScale(0.25))).factor == 0.25
   assert ls.lowered() is None  # cannot be lowered: no retries
 
 
-def test_builtins_check_the_scaled_gradients_directly():
-  # The fast path: the check reads the incoming gradients (`g - g`), not the
-  # unscaled ones, so the unscaling fuses into the inner update.
-  grads = {"w": jnp.ones((64, 64))}
-  for ls in [
-    ols.DynamicLossScale(),
-    ols.FixedLossScale(8),
-    ols.NoOpLossScale(),
-  ]:
-    jaxpr = jax.make_jaxpr(ls.grads_finite)(grads).jaxpr
-    assert not any(e.primitive is jax.lax.mul_p for e in jaxpr.eqns), ls
-  below_one = ols.DynamicLossScale(1.0, min_loss_scale=0.25)
-  jaxpr = jax.make_jaxpr(below_one.grads_finite)(grads).jaxpr
-  assert any(e.primitive is jax.lax.mul_p for e in jaxpr.eqns)
-  f16 = {"w": jnp.array([40000.0], jnp.float16)}
-  below = ols.DynamicLossScale(
-    1.0, min_loss_scale=0.25, current_loss_scale=np.float32(0.5)
+# --- ensembles under vmap ----------------------------------------------------------
+
+MEMBERS = 4
+
+
+def _member(tree, i):
+  return jax.tree.map(lambda x: x[i], tree)
+
+
+def _ensemble_grads(t):
+  """Member `t % 4` has a NaN; on odd steps member 3 an inf in float16."""
+  rng = np.random.default_rng(t)
+  g = {
+    "w": rng.normal(size=(MEMBERS, 3, 5)).astype(np.float32),
+    "b": rng.normal(size=(MEMBERS, 5)).astype(np.float16),
+  }
+  g["w"][t % MEMBERS, 1, 2] = np.nan
+  if t % 2:
+    g["b"][3, 0] = np.inf
+  return jax.tree.map(jnp.asarray, g)
+
+
+def _ensemble():
+  tx = ols.LossScaleOptimizer(
+    optax.sgd(1e-2, momentum=0.9), ols.DynamicLossScale(8.0, 2, hysteresis=2)
   )
-  assert not bool(below.grads_finite(f16))
+  params = {
+    "w": jnp.ones((MEMBERS, 3, 5), jnp.float32),
+    "b": jnp.zeros((MEMBERS, 5), jnp.float16),
+  }
+  return tx, params
+
+
+def _close_in_ulps(actual, expected):
+  """Equal to 2 ulps of each leaf's dtype: XLA may fuse a batch otherwise."""
+
+  def close(a, b):
+    eps = float(jnp.finfo(jnp.asarray(b).dtype).eps)
+    np.testing.assert_allclose(
+      np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=2 * eps
+    )
+
+  jax.tree.map(close, actual, expected)
+
+
+def test_vmap_members_equal_running_each_member_alone():
+  tx, params = _ensemble()
+  state = jax.vmap(tx.init)(params)
+  alone = [
+    (_member(params, i), tx.init(_member(params, i))) for i in range(MEMBERS)
+  ]
+  batched, single = (
+    jax.jit(jax.vmap(tx.apply_gradients)),
+    jax.jit(tx.apply_gradients),
+  )
+  for t in range(4):
+    grads = _ensemble_grads(t)
+    params, state = batched(grads, state, params)
+    alone = [single(_member(grads, i), s, p) for i, (p, s) in enumerate(alone)]
+    for i, (p, s) in enumerate(alone):
+      _close_in_ulps(_member(params, i), p)
+      chex.assert_trees_all_equal(
+        _member(state, i)._replace(inner_state=None),
+        s._replace(inner_state=None),
+      )
+  assert np.asarray(state.skipped_steps).tolist() == [1, 1, 1, 2]
+  assert len(set(np.asarray(state.loss_scale()).tolist())) > 1
+
+
+def test_vmap_with_axis_name_makes_the_members_agree():
+  tx = ols.LossScaleOptimizer(
+    optax.sgd(1.0), ols.DynamicLossScale(8.0), axis_name="members"
+  )
+  params = {"w": jnp.zeros((MEMBERS, 2))}
+  step = jax.jit(jax.vmap(tx.update, axis_name="members"))
+  state = jax.vmap(tx.init)(params)
+  grads = {"w": jnp.full((MEMBERS, 2), 8.0)}
+  updates, state = step(grads, state, params)
+  np.testing.assert_array_equal(updates["w"], jnp.full((MEMBERS, 2), -1.0))
+  # One member's NaN skips every member, and every scale halves alike.
+  updates, state = step({"w": grads["w"].at[1, 0].set(NAN)}, state, params)
+  assert np.asarray(state.should_apply).tolist() == [False] * MEMBERS
+  assert np.asarray(state.loss_scale()).tolist() == [4.0] * MEMBERS
+  np.testing.assert_array_equal(updates["w"], jnp.zeros((MEMBERS, 2)))
+
+
+# --- errors that name the mistake --------------------------------------------------
+
+
+def test_the_constructor_names_a_bad_argument_and_cuts_its_repr():
+  adam, ls = optax.adam(1e-3), ols.DynamicLossScale()
+  with pytest.raises(TypeError, match=r"`LossScaleOptimizer\(inner=...\)`"):
+    ols.LossScaleOptimizer(optax.adam, ls)
+  for bad in [2.0, "dynamic", None, adam]:
+    with pytest.raises(
+      TypeError, match=r"`LossScaleOptimizer\(loss_scale=...\)`"
+    ):
+      ols.LossScaleOptimizer(adam, bad)
+  with pytest.raises(
+    TypeError, match=r"`LossScaleOptimizer\(skip_nonfinite=...\)`"
+  ):
+    ols.LossScaleOptimizer(adam, ls, skip_nonfinite=1)
+  with pytest.raises(TypeError, match="on_skip"):  # see SkipMonitor
+    ols.LossScaleOptimizer(adam, ls, on_skip=print)
+  # A long repr is cut with an ellipsis, and its type is named once.
+  adam_state = adam.init({"w": jnp.zeros(100)})[0]
+  for bad, name in [
+    (np.arange(1000), "ndarray"),
+    (adam_state, "ScaleByAdamState"),
+    ("x" * 500, "str"),
+  ]:
+    with pytest.raises(TypeError) as error:
+      ols.LossScaleOptimizer(adam, bad)
+    message = str(error.value)
+    assert message.endswith("....") and len(message) < 200, message
+    assert message.count(name) == 1, message
+
+
+def _cast(state, field, dtype):
+  """`state` with `field` (a path such as `loss_scale.num_good_steps`) cast."""
+  if field.startswith("loss_scale."):
+    name = field.split(".")[1]
+    ls = state.loss_scale
+    cast = dataclasses.replace(ls, **{name: getattr(ls, name).astype(dtype)})
+    return state._replace(loss_scale=cast)
+  return state._replace(**{field: getattr(state, field).astype(dtype)})
+
+
+@pytest.mark.parametrize(
+  ("field", "dtype"),
+  [
+    ("loss_scale.current_loss_scale", jnp.float16),
+    ("loss_scale.num_good_steps", jnp.int16),
+    ("loss_scale.num_bad_steps", jnp.int16),
+    ("skipped_steps", jnp.int16),
+  ],
+)
+@pytest.mark.parametrize("entry", ["update", "apply_gradients", "minimize"])
+def test_a_cast_state_is_named_at_trace_time(field, dtype, entry):
+  # What a restore into a float16 target gives: named before any compile.
+  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale(8.0))
+  params = {"w": jnp.ones(2)}
+  state = _cast(tx.init(params), field, dtype)
+  if entry == "minimize":
+    fn = lambda p, s: tx.minimize(lambda p: jnp.sum(p["w"]), p, s)  # noqa: E731
+  else:
+    method = getattr(tx, entry)
+    fn = lambda p, s: method(p, s, p)  # noqa: E731
+  name = jnp.dtype(dtype).name
+  match = rf"`\.{field}` must be \w+, got {name}.*`check_state`"
+  with pytest.raises(TypeError, match=match):
+    jax.jit(fn).trace(params, state)
+
+
+@pytest.mark.parametrize("entry", ["update", "apply_gradients", "unscale"])
+def test_gradients_of_another_structure_or_shape_name_the_leaf(entry):
+  params = _params()
+  if entry == "unscale":
+    tx = ols.unscale_gradients(ols.DynamicLossScale(8.0))
+    step = tx.update
+  else:
+    tx = ols.LossScaleOptimizer(optax.adam(0.1), ols.DynamicLossScale(8.0))
+    step = getattr(tx, entry)
+  state = tx.init(params)
+  with pytest.raises(ValueError, match=r"\['b'\] has shape \(4,\).* \(3,\)"):
+    jax.jit(step)(dict(params, b=jnp.ones(4)), state, params)
+  with pytest.raises(ValueError, match=r"structure differs.*'v'"):
+    step({"v": jnp.ones(3), "w": params["w"]}, state, params)
+
+
+@pytest.mark.parametrize("entry", ["update", "apply_gradients", "minimize"])
+def test_a_state_of_another_transformation_is_refused(entry):
+  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale())
+  params = {"w": jnp.ones(2)}
+  foreign = optax.adam(0.1).init(params)
+  with pytest.raises(TypeError, match="LossScaleOptimizerState"):
+    if entry == "minimize":
+      tx.minimize(lambda p: jnp.sum(p["w"]), params, foreign)
+    else:
+      getattr(tx, entry)(params, foreign, params)
+
+
+def test_a_loss_that_is_not_floating_point_is_refused():
+  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale())
+  params = {"w": jnp.ones(2)}
+  with pytest.raises(TypeError, match=r"value=\.\.\.\)` must be the loss"):
+    tx.update(params, tx.init(params), params, value=jnp.int32(1))
+
+
+def test_gradients_that_vary_across_shard_map_devices_name_the_missing_pmean():
+  mesh = jax.make_mesh((1,), ("x",))
+  tx = ols.LossScaleOptimizer(
+    optax.sgd(0.1), ols.DynamicLossScale(8.0), axis_name="x"
+  )
+  params = {"w": jnp.ones(2)}
+  state = tx.init(params)
+
+  def step(params, state, data):
+    grads = jax.tree.map(lambda p: p * data[0], params)  # no pmean: varying
+    return tx.apply_gradients(grads, state, params)
+
+  sharded = jax.shard_map(
+    step, mesh=mesh, in_specs=(P(), P(), P("x")), out_specs=(P(), P())
+  )
+  data = jax.device_put(jnp.ones(1), jax.NamedSharding(mesh, P("x")))
+  with pytest.raises(
+    ValueError, match=r"\['w'\] varies across devices.*pmean\(grads"
+  ):
+    jax.jit(sharded).trace(params, state, data)
+
+
+# --- the package's modules ------------------------------------------------------
 
 
 def test_no_module_reads_another_modules_underscore_names():
@@ -295,82 +1036,3 @@ def test_no_module_reads_another_modules_underscore_names():
           if alias.name.startswith("_") and not alias.name.startswith("__"):
             offenders.append(f"{path.name}: {node.module}.{alias.name}")
   assert not offenders, offenders
-
-
-# --- validated state ----------------------------------------------------------
-
-
-def test_dynamic_loss_scale_validates_hyperparameters_with_state_fields():
-  with pytest.raises(ValueError, match="multiplier"):
-    ols.DynamicLossScale(
-      multiplier=0.5,
-      current_loss_scale=jnp.float32(4),
-      num_good_steps=jnp.int32(0),
-    )
-  with pytest.raises(ValueError, match="hysteresis_budget"):
-    ols.DynamicLossScale(4.0, hysteresis_budget=np.int32(3))
-  # Unflattening with host zeros (a tree map) is left alone.
-  zeros = jax.tree.map(np.zeros_like, ols.DynamicLossScale(4.0, hysteresis=2))
-  assert zeros.hysteresis == 2 and float(zeros.current_loss_scale) == 0
-  # Unflattening with arbitrary leaves (tracers, shardings) still works.
-  ls = ols.DynamicLossScale(4.0, hysteresis=3)
-  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), ls)
-  assert isinstance(shapes, ols.DynamicLossScale)
-  assert jax.jit(lambda x: x)(ls).hysteresis == 3
-
-
-def test_device_state_is_not_read_on_construction():
-  ls = ols.DynamicLossScale(4.0, hysteresis=2)
-  leaves, treedef = jax.tree.flatten(ls)
-  with jax.transfer_guard("disallow"):
-    jax.tree.unflatten(treedef, leaves)
-
-
-# --- Flax, through the class directly ---------------------------------------
-
-
-def test_flax_linen_train_state_with_the_class():
-  tx = ols.LossScaleOptimizer(optax.adam(1e-2), ols.DynamicLossScale(2.0**10))
-  state = train_state.TrainState.create(apply_fn=None, params=_params(), tx=tx)
-
-  @jax.jit
-  def step(state, bad):
-    grads = _grads(ols.get_loss_scale(state.opt_state)())
-    grads = jax.tree.map(lambda g: jnp.where(bad, jnp.nan, g), grads)
-    return state.apply_gradients(grads=grads)
-
-  for i in range(4):
-    state = step(state, jnp.array(i == 1))
-  assert int(state.opt_state.skipped_steps) == 1
-  assert int(state.opt_state.inner_state[0].count) == 3
-
-
-def test_flax_nnx_optimizer_with_the_class():
-  class Model(nnx.Module):
-    def __init__(self, rngs):
-      self.linear = nnx.Linear(3, 1, rngs=rngs)
-
-    def __call__(self, x):
-      return self.linear(x)
-
-  model = Model(nnx.Rngs(0))
-  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale(2.0**8))
-  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-  x = jnp.ones((4, 3))
-
-  @nnx.jit
-  def step(model, optimizer, y):
-    loss_scale = ols.get_loss_scale(optimizer.opt_state)
-
-    def loss_fn(model):
-      return loss_scale.scale(jnp.mean((model(x) - y) ** 2))
-
-    grads = nnx.grad(loss_fn)(model)
-    optimizer.update(model, grads)
-
-  before = model.linear.kernel.value
-  step(model, optimizer, jnp.full((4, 1), jnp.nan))
-  np.testing.assert_array_equal(model.linear.kernel.value, before)
-  step(model, optimizer, jnp.ones((4, 1)))
-  assert not np.array_equal(model.linear.kernel.value, before)
-  assert int(optimizer.opt_state.skipped_steps[...]) == 1
