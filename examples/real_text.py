@@ -303,7 +303,7 @@ def library(loss: Callable[..., jax.Array], tx: Any) -> Step:
 
   def step(params: Any, state: Any, batch: jax.Array) -> Any:
     value, params, state = opt.minimize(loss, params, state, batch)
-    scale = ols.get_loss_scale(state)()
+    scale = state.loss_scale()
     return params, state, {"loss": value, "scale": scale, "applied": state[2]}
 
   return opt.init, step
@@ -581,7 +581,7 @@ def mistake(cfg: Config, batches: jax.Array) -> dict[str, Any]:
   scales, stopped_at, error = [], None, None
   for i in range(cfg.mistake_steps):
     _, params, state = step(params, state, batches[i])
-    scales.append(float(ols.get_loss_scale(state)()))
+    scales.append(float(state.loss_scale()))
     if error is None:
       try:
         monitor(state)

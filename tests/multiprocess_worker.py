@@ -1,4 +1,11 @@
-"""One of two processes of the multi-process check (see test_multidevice.py)."""
+"""One of two processes of the multi-process check (see test_multidevice.py).
+
+`python tests/multiprocess_worker.py PORT RANK OUT`: two processes of two CPU
+devices each, one Explicit mesh over the four, FSDP-sharded Adam. A NaN in
+this process's shard only (rank 1) makes both processes skip with the same
+scale, and both `SkipMonitor`s raise; `check_state` reads the shards each
+holds. Writes what it saw to OUT as JSON, for the test to compare.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +16,6 @@ import sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
@@ -26,96 +32,56 @@ jax.distributed.initialize(
   initialization_timeout=60,
 )
 assert jax.device_count() == 4 and jax.local_device_count() == 2
-mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-data = NamedSharding(mesh, P("data"))
-replicated = NamedSharding(mesh, P())
-
-tx = ols.loss_scale_optimizer(optax.sgd(0.1), ols.DynamicLossScale(2.0**10, 2))
 
 
-def _last_skip(state):
-  """The last skip an unbatched state records, or None."""
-  reports = ols.skip_reports(state)
-  assert len(reports) <= 1 and all(r.member is None for r in reports)
-  return reports[0] if reports else None
+def local(x):
+  """This process's first shard of `x`, on the host."""
+  return np.asarray(x.addressable_data(0))
 
 
-@jax.jit
-def step(params, state, grads):
-  # Per-example gradients, sharded over the data axis, averaged globally.
-  grads = {"w": jnp.mean(grads, axis=0)}
-  updates, state = tx.update(grads, state, params)
-  return optax.apply_updates(params, updates), state
-
-
-params = jax.device_put({"w": jnp.zeros(3)}, replicated)
-state = jax.device_put(tx.init({"w": jnp.zeros(3)}), replicated)
-for t in range(2):
-  local = np.full((2, 3), 2.0**10, np.float32)
-  if t == 0 and rank == 1:
-    local[1, 2] = np.nan  # only this process's shard is poisoned
-  grads = jax.make_array_from_process_local_data(data, local, (4, 3))
-  params, state = step(params, state, grads)
-  applied = bool(state.should_apply)
-  assert applied == (t == 1), (t, applied)
-
-# The state's arrays span both processes: each checks the shards it holds.
-assert not state.retries.is_fully_addressable
-assert ols.check_state(state) is state
-ols.DynamicLossScale(
-  2.0**10, 2, current_loss_scale=state.loss_scale.current_loss_scale
-)
-negative = jax.jit(lambda s: s._replace(retries=s.retries - 1))(state)
-try:
-  ols.check_state(negative)
-  raise AssertionError("check_state accepted a negative counter")
-except ValueError as e:
-  assert "`tree.retries` must be non-negative, got -1." in str(e), e
-
-result = np.concatenate(
-  [
-    np.asarray(params["w"].addressable_data(0)).ravel(),
-    [float(state.loss_scale.current_loss_scale.addressable_data(0))],
-    [int(state.skipped_steps.addressable_data(0))],
-  ]
-)
-np.save(out, result)
-
-# An Explicit mesh (jax.make_mesh's default) over both processes, with
-# FSDP-sharded parameters: a NaN in this process's shard only makes both
-# processes skip with the same scale, and the SkipMonitor raises on both.
 mesh = jax.make_mesh((4,), ("data",))
+results = {"raised": False}
 with jax.set_mesh(mesh):
   fsdp = NamedSharding(mesh, P("data", None))
   tx = ols.LossScaleOptimizer(optax.adam(0.1), ols.DynamicLossScale(2.0**10))
-  local = np.ones((4, 3), np.float32)  # this process's rows of an (8, 3) leaf
-  params = {"w": jax.make_array_from_process_local_data(fsdp, local, (8, 3))}
+  ones = np.ones((4, 3), np.float32)  # this process's rows of an (8, 3) leaf
+  params = {"w": jax.make_array_from_process_local_data(fsdp, ones, (8, 3))}
   state = tx.init(params)
-  assert jax.typeof(state.inner_state[0].mu["w"]).sharding.spec == P(
-    "data", None
-  )
+  assert jax.typeof(state.inner_state[0].mu["w"]).sharding.spec == fsdp.spec
   step = jax.jit(tx.apply_gradients, donate_argnums=(1, 2))
   monitor = ols.SkipMonitor(max_consecutive_skips=2, log=None)
-  results = {"raised": False}
-  for t in range(3):
-    grads_local = np.full((4, 3), 0.5, np.float32)
+  for t in range(3):  # NaNs at steps 0 and 1, in rank 1's rows only
+    grads = np.full((4, 3), 0.5, np.float32)
     if t < 2 and rank == 1:
-      grads_local[3, 1] = np.nan
-    grads = {"w": jax.make_array_from_process_local_data(fsdp, grads_local)}
+      grads[3, 1] = np.nan
+    grads = {"w": jax.make_array_from_process_local_data(fsdp, grads)}
     params, state = step(grads, state, params)
+    assert bool(local(state.should_apply)) == (t == 2), t
     try:
-      report = monitor(state)
+      monitor(state)
     except ols.ConsecutiveSkipsError as error:
       results["raised"] = "2 consecutive steps skipped" in str(error)
-      report = _last_skip(state)
-      break
-  assert jax.typeof(params["w"]).sharding.spec == P("data", None)
-  results["scale"] = float(ols.get_loss_scale(state)().addressable_data(0))
-  results["skipped"] = int(state.skipped_steps.addressable_data(0))
-  results["nonfinite"] = list(report.nonfinite)
-  results["unchanged"] = bool(
-    np.all(np.asarray(params["w"].addressable_data(0)) == 1.0)
+      results["nonfinite"] = list(error.report.nonfinite)
+      results["scale"] = float(local(state.loss_scale()))
+      results["skipped"] = int(local(state.skipped_steps))
+      results["unchanged"] = bool(np.all(local(params["w"]) == 1.0))
+  # The step after them applies on both: Adam's first step is -lr.
+  assert jax.typeof(params["w"]).sharding.spec == fsdp.spec
+  results["applied"] = local(params["w"]).tolist()
+
+  # The state's arrays span both processes: each checks the shards it holds.
+  assert not state.retries.is_fully_addressable
+  assert ols.check_state(state) is state
+  ols.DynamicLossScale(
+    2.0**10, current_loss_scale=state.loss_scale.current_loss_scale
   )
-with open(out + ".explicit.json", "w") as f:
+  negative = jax.jit(lambda s: s._replace(retries=s.retries - 1))(state)
+  try:
+    ols.check_state(negative)
+    raise AssertionError("check_state accepted a negative counter")
+  except ValueError as e:
+    assert "`tree.retries`" in str(e) and "got -1" in str(e), e
+
+with open(out, "w") as f:
   json.dump(results, f)
 jax.distributed.shutdown()

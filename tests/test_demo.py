@@ -14,23 +14,21 @@ from optax_lossscale import demo
 pytestmark = pytest.mark.usefixtures("standard_promotion")
 
 
-def test_demo_runs_and_writes_a_png(tmp_path, capsys, monkeypatch):
-  # Chunks of 10 steps: 15 steps take a full chunk and a partial one.
-  monkeypatch.setattr(demo, "CHUNK", 10)
+def test_demo_runs_and_writes_a_png(tmp_path, capsys):
   out = tmp_path / "demo.png"
-  results = demo.main(
-    ["--steps", "15", "--batch-size", "32", "--seed", "1", "--out", str(out)]
-  )
+  results = demo.main(["--quick", "--seed", "1", "--out", str(out)])
   assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   command, machine, date, blank, *table = (
     out.with_suffix(".txt").read_text().splitlines()
   )
-  assert command.startswith("python -m optax_lossscale.demo --steps 15")
+  assert (
+    command == f"python -m optax_lossscale.demo --quick --seed 1 --out {out}"
+  )
   assert "cores" in machine and re.fullmatch(r"\d{4}-\d\d-\d\d", date)
   assert blank == "" and table[0].startswith("run") and len(table) == 6
   assert [r["name"] for r in results] == [name for name, _, _ in demo.RUNS]
   for r in results:
-    assert len(r["history"]["loss"]) == 15
+    assert len(r["history"]["loss"]) == demo.QUICK_STEPS == 15
     assert 0.0 <= r["accuracy"] <= 1.0 and 0.0 <= r["underflow"] <= 1.0
   assert results[0]["underflow"] == 0.0  # float32 loses nothing
   # The setting's point: unscaled float16 loses gradient entries from the
@@ -39,6 +37,7 @@ def test_demo_runs_and_writes_a_png(tmp_path, capsys, monkeypatch):
   assert results[2]["first_underflow"] == results[3]["first_underflow"] == 0.0
   printed = capsys.readouterr().out
   assert "Setting:" in printed and "loss scale" in printed
+  assert f"a batch of {demo.QUICK_BATCH_SIZE}," in printed
   _check_failure_modes(printed)
   _check_dropped_batches(printed)
 
@@ -84,7 +83,7 @@ def test_demo_help_lists_the_flags(capsys):
     demo.main(["--help"])
   assert exit_info.value.code == 0
   text = capsys.readouterr().out
-  for flag in ["--steps", "--seed", "--batch-size", "--out"]:
+  for flag in ["--steps", "--seed", "--batch-size", "--quick", "--out"]:
     assert flag in text
 
 

@@ -1,154 +1,150 @@
 """Replicas agree on every skip: pmap, shard_map and sharded jit on 8 CPUs.
 
-Each check runs in a subprocess, because the number of host devices is fixed
-when JAX starts. The mesh checks run under `jax.make_mesh`'s default axis
-types (Explicit) and under `AxisType.Auto`.
+The number of host devices is fixed when JAX starts, so the checks run in
+subprocesses (`multidevice_checks.py`), one per axis type, all started at
+once with the docs' sharded recipe on one device and the two processes of
+the multi-process check. Every mesh check runs under `jax.make_mesh`'s
+default axis types (Explicit). The sharded-jit step (every public function)
+and the `vmap` ensemble sharded inside each member run under
+`AxisType.Auto` too, where no sharding shows in the types and the library
+takes its other path; the pmap checks, which use no mesh, share that
+process.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
+import socket
 import subprocess
 import sys
+import time
 
+import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+TIMEOUT = 300
+
+PMAP_CHECKS = [
+  "pmap_replicas_agree",
+  "pmap_docs_step",
+  "pmap_minimize_retries_agree",
+]
+MESH_CHECKS = [
+  "shard_map",
+  "jmp_select_tree_in_shard_map",
+  "every_function",
+  "sharded_step_differentiates_in_reverse_mode",
+  "vmap_members_sharded",
+  "vmap_members_sharded_inside",
+]
+# Under Auto axes too: the library reads shardings from the types only under
+# Explicit axes. (Inside `shard_map` every axis is Manual, whatever its
+# type.)
+UNDER_AUTO = ["every_function", "vmap_members_sharded_inside"]
+RUNS = {"explicit": MESH_CHECKS, "auto": PMAP_CHECKS + UNDER_AUTO}
 
 
-def _run(*checks: str, timeout: int = 600) -> None:
-  env = dict(
-    os.environ,
-    XLA_FLAGS="--xla_force_host_platform_device_count=8",
-    PYTHONPATH=str(ROOT),
-    JAX_PLATFORMS="cpu",
-  )
-  result = subprocess.run(
-    [sys.executable, str(ROOT / "tests" / "multidevice_checks.py"), *checks],
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=timeout,
-    cwd=ROOT,
-  )
-  assert result.returncode == 0, result.stdout + result.stderr
-  for check in checks:
-    assert f"ok {check}" in result.stdout
+def _env(devices: int | None) -> dict[str, str]:
+  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  if devices is not None:
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+  return env
 
 
-def test_replicas_agree_under_pmap():
-  _run(
-    "pmap",
-    "pmap_readme_step",
-    "nan_loss_on_one_replica",
-    "minimize_retries_agree",
-  )
-
-
-@pytest.mark.parametrize("axes", ["explicit", "auto"])
-def test_sharded_meshes(axes):
-  _run(
-    *(
-      f"{check}:{axes}"
-      for check in [
-        "shard_map",
-        "sharded_jit",
-        "sharded_leaves_are_checked_in_place",
-        "orbax_sharded_state",
-        "vmap_members_sharded",
-        "vmap_members_sharded_inside",
-        "vmap_members_sharded_with_integer_leaves",
-        "sharded_step_differentiates_in_reverse_mode",
-      ]
+def _start(args: list[str], env: dict[str, str], log: pathlib.Path):
+  """Starts `python ARGS`, its output (stdout and stderr) going to `log`."""
+  with log.open("w") as f:  # the child keeps its own copy of the file
+    return subprocess.Popen(
+      [sys.executable, *args], env=env, cwd=ROOT, stdout=f, stderr=f
     )
-  )
 
 
-@pytest.mark.parametrize("axes", ["explicit", "auto"])
-def test_every_public_function_on_sharded_trees(axes):
-  _run(f"every_function:{axes}")
-
-
-@pytest.mark.parametrize("axes", ["explicit", "auto"])
-def test_jmp_select_tree_takes_leaves_varying_along_other_axes(axes):
-  # Inside `shard_map`: jmp's values, dtypes and varying axes.
-  _run(f"jmp_select_tree_in_shard_map:{axes}")
-
-
-@pytest.mark.parametrize("devices", [1, 8])
-def test_sharded_recipe_runs_as_written(tmp_path, devices):
+def _recipe(tmp: pathlib.Path) -> pathlib.Path:
+  """The docs' sharded recipe, as a script."""
   page = (ROOT / "docs" / "multidevice.md").read_text()
   recipe = page.split("<!-- sharded-recipe -->\n```python\n")[1]
-  script = tmp_path / "recipe.py"
+  script = tmp / "recipe.py"
   script.write_text(recipe.split("```")[0])
-  env = dict(
-    os.environ,
-    XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-    PYTHONPATH=str(ROOT),
-    JAX_PLATFORMS="cpu",
-  )
-  result = subprocess.run(
-    [sys.executable, str(script)],
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-  assert result.returncode == 0, result.stdout + result.stderr
-  assert result.stdout.startswith("loss "), result.stdout
+  return script
 
 
-def test_two_processes_agree_on_a_skip_and_stop(tmp_path):
-  import socket
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory):
+  """Every subprocess of this module, started at once.
 
-  import numpy as np
-
+  Returns `(tmp, {name: (returncode, output)})`; the two processes of the
+  multi-process check write what they saw to `tmp/out0.json` and
+  `tmp/out1.json`.
+  """
+  tmp = tmp_path_factory.mktemp("multidevice")
+  checks = str(ROOT / "tests" / "multidevice_checks.py")
+  commands = {
+    axes: ([checks, axes, *names], _env(8)) for axes, names in RUNS.items()
+  }
+  # The docs run the recipe on 8 devices (test_docs_code.py); here on one.
+  commands["recipe"] = ([str(_recipe(tmp))], _env(1))
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
-  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)
-  procs = [
-    subprocess.Popen(
-      [
-        sys.executable,
-        str(ROOT / "tests" / "multiprocess_worker.py"),
-        str(port),
-        str(rank),
-        str(tmp_path / f"out{rank}.npy"),
-      ],
-      env=env,
-      stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT,
-      text=True,
-    )
-    for rank in range(2)
-  ]
+  worker = str(ROOT / "tests" / "multiprocess_worker.py")
+  for rank in range(2):
+    out = str(tmp / f"out{rank}.json")
+    commands[f"rank{rank}"] = ([worker, str(port), str(rank), out], _env(2))
+  procs = {
+    name: _start(args, env, tmp / f"{name}.log")
+    for name, (args, env) in commands.items()
+  }
+  deadline = time.monotonic() + TIMEOUT
   try:
-    outputs = [p.communicate(timeout=110)[0] for p in procs]
+    for p in procs.values():
+      p.wait(timeout=max(deadline - time.monotonic(), 1))
   finally:
-    for p in procs:
+    for p in procs.values():
       p.kill()
-  for p, output in zip(procs, outputs, strict=True):
-    assert p.returncode == 0, output
-  a, b = (np.load(tmp_path / f"out{rank}.npy") for rank in range(2))
-  np.testing.assert_array_equal(a, b)  # bit-equal params, scale, counters
-  np.testing.assert_allclose(a[:3], -0.2, rtol=1e-6)
-  assert a[3] == 2.0**9 and a[4] == 1
-  # The Explicit mesh over both processes, FSDP-sharded: both skipped twice
-  # with the same scale, and both monitors raised.
-  import json
+  return tmp, {
+    name: (p.returncode, (tmp / f"{name}.log").read_text())
+    for name, p in procs.items()
+  }
 
-  explicit = [
-    json.loads((tmp_path / f"out{rank}.npy.explicit.json").read_text())
-    for rank in range(2)
-  ]
-  assert explicit[0] == explicit[1], explicit
-  assert explicit[0] == {
+
+@pytest.mark.parametrize(
+  "axes, check",
+  [(axes, check) for axes, names in RUNS.items() for check in names],
+)
+def test_multidevice_check(outputs, axes, check):
+  rc, output = outputs[1][axes]
+  lines = output.splitlines()
+  assert any(line.startswith(f"ok {check} ") for line in lines), output
+  assert rc == 0, output
+
+
+def test_sharded_recipe_runs_as_written_on_one_device(outputs):
+  rc, output = outputs[1]["recipe"]
+  assert rc == 0, output
+  assert "loss " in output, output
+
+
+def test_two_processes_agree_on_a_skip_and_stop(outputs):
+  # An Explicit mesh over both processes, FSDP-sharded: a NaN in one
+  # process's shard makes both skip twice with the same scale, both
+  # monitors raise, and both apply the next step.
+  tmp, results = outputs
+  seen = []
+  for rank in range(2):
+    rc, output = results[f"rank{rank}"]
+    assert rc == 0, output
+    seen.append(json.loads((tmp / f"out{rank}.json").read_text()))
+  assert seen[0] == seen[1], seen
+  applied = seen[0].pop("applied")
+  np.testing.assert_allclose(applied, 0.9, rtol=1e-5)  # Adam's first step
+  assert seen[0] == {
     "raised": True,
+    "nonfinite": ["['w']"],
     "scale": 2.0**8,
     "skipped": 2,
-    "nonfinite": ["['w']"],
     "unchanged": True,
   }
