@@ -15,7 +15,7 @@ from optax_lossscale._loss_scale import (
   DynamicLossScale,
   LossScale,
 )
-from optax_lossscale._states import LossScaleOptimizerState
+from optax_lossscale._states import LossScaleOptimizerState, SkipRecord
 
 __all__ = ["check_state"]
 
@@ -31,6 +31,11 @@ _RECORD_DTYPES |= dict.fromkeys(
 )
 
 
+_MOVES = "TensorFlow's rule moves it from there"
+_GROWS = "the next finite step grows the scale"
+_LOWERS = "the next non-finite step lowers the scale"
+
+
 def _array(x: Any) -> Any:
   """`x`, or the one array inside a container such as an NNX variable."""
   if isinstance(x, (jax.Array, np.ndarray, np.generic, numbers.Number)):
@@ -42,17 +47,19 @@ def _array(x: Any) -> Any:
 def _check(
   where: str, value: Any, dtype: Any, shape: Any, low: float, high: float
 ) -> None:
-  """`value`'s dtype, its leading shape (the state's batch), its range."""
+  """`value`'s dtype, its shape (the state's, or one axis more), its range."""
   value = _array(value)
   if isinstance(value, numbers.Number) or value is None:
     raise TypeError(
-      f"{where} must be a {np.dtype(dtype)} array, got {value!r}."
+      f"{where} must be an array of {np.dtype(dtype)}, got {value!r}."
     )
   _validation.array_dtype(where, value, dtype)
-  if shape is not None and np.shape(value)[: len(shape)] != shape:
+  per_leaf = where.endswith(("nonfinite`", "leaf_names`"))
+  got = np.shape(value)[: -1 if per_leaf else None]
+  if shape is not None and (got != shape or per_leaf and not np.ndim(value)):
+    plus = ", plus one axis" if per_leaf else ""
     raise ValueError(
-      f"{where} must have the state's leading shape {shape}, got"
-      f" {np.shape(value)}."
+      f"{where} must have the state's shape {shape}{plus}, got {np.shape(value)}."
     )
   _validation.in_range(where, value, low, high)
 
@@ -61,26 +68,16 @@ def _check_loss_scale(ls: LossScale, path: str, shape: Any) -> None:
   """A `DynamicLossScale`'s state; says what it keeps past its bounds."""
   if not isinstance(ls, DynamicLossScale):
     return
-  bounds: dict[
-    str, Any
-  ] = {  # valid under any hyperparameters, and usual under these
-    "current_loss_scale": (
-      (np.finfo(np.float32).tiny, np.finfo(np.float32).max),
-      (ls.min_loss_scale, ls.max_loss_scale or np.inf),
-      "TensorFlow's rule moves it from there",
-    ),
-    "num_good_steps": (
-      (0, np.inf),
-      (0, ls.increment_period - 1),
-      "the next finite step grows the scale",
-    ),
-    "num_bad_steps": (
-      (0, np.inf),
-      (0, ls.hysteresis),
-      "the next non-finite step lowers the scale",
-    ),
-  }
-  for name, (valid, (low, high), then) in bounds.items():
+  shape = np.shape(_array(ls.current_loss_scale)) if shape is None else shape
+  shape = np.shape(_array(ls.current_loss_scale)) if shape is None else shape
+  tiny, big = np.finfo(np.float32).tiny, np.finfo(np.float32).max
+  top = ls.max_loss_scale or np.inf
+  bounds: list[Any] = [  # valid under any hyperparameters; usual under these
+    ("current_loss_scale", (tiny, big), (ls.min_loss_scale, top), _MOVES),
+    ("num_good_steps", (0, np.inf), (0, ls.increment_period - 1), _GROWS),
+    ("num_bad_steps", (0, np.inf), (0, ls.hysteresis), _LOWERS),
+  ]
+  for name, valid, (low, high), then in bounds:
     where = f"`{path}.{name}`"
     value = getattr(ls, name)
     _check(where, value, STATE_DTYPES[name], shape, *valid)
@@ -115,6 +112,14 @@ def _check_optimizer_state(state: LossScaleOptimizerState, path: str) -> None:
       f" got {consecutive.tolist()} > {skipped.tolist()}."
     )
   record = state.last_skip
+  if not isinstance(record, SkipRecord):
+    raise TypeError(
+      f"`{path}.last_skip` must be a SkipRecord, got {_validation.describe(record)}."
+    )
+  if not isinstance(record, SkipRecord):
+    raise TypeError(
+      f"`{path}.last_skip` must be a SkipRecord, got {_validation.describe(record)}."
+    )
   for name, dtype in _RECORD_DTYPES.items():
     where = f"`{path}.last_skip.{name}`"
     _check(where, getattr(record, name), dtype, shape, 0, np.inf)

@@ -53,8 +53,7 @@ def cond(
   the predicate sharded like each case. Otherwise it is `lax.cond` itself.
   The wrapped form is differentiated as the plain `cond` (a `custom_jvp`).
   """
-  _, axes = _numerics.explicit_axes(jax.tree.leaves((operands, sharded_like)))
-  if not axes:
+  if not _numerics.explicit_axes(jax.tree.leaves((operands, sharded_like))):
     return lax.cond(pred, true_fun, false_fun, *operands)
   # custom_vmap takes no batched value closed over: they become operands.
   branches = (_hoist(true_fun, operands), _hoist(false_fun, operands))

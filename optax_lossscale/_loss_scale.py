@@ -120,7 +120,7 @@ class LossScale(abc.ABC):
     if dataclasses.is_dataclass(cls):
       fields = dataclasses.fields(cls)
     known = {f.name for f in fields if f.metadata.get("static")}
-    if fields and set(config) - known:
+    if dataclasses.is_dataclass(cls) and set(config) - known:
       raise ValueError(
         f"{where} got unknown keys {sorted(set(config) - known)}; it takes"
         f" {sorted(known)}."

@@ -41,14 +41,18 @@ def _whole(x: jax.Array) -> bool:
   Auto axes do not show in a type, so any of them may split `x`; inside
   `shard_map` (Manual axes) every block is whole.
   """
-  sharding = jax.typeof(x).sharding
-  mesh = getattr(sharding, "mesh", None)
-  if mesh is None or mesh.empty:
-    return True
-  types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
-  if any(t == AxisType.Auto and mesh.shape[n] > 1 for n, t in types.items()):
-    return False
-  return not explicit_axes([x])[1]
+  mesh: Any = getattr(jax.typeof(x).sharding, "mesh", None)
+  names = () if mesh is None else mesh.axis_names
+  sizes = (
+    [
+      mesh.shape[n]
+      for n, t in zip(names, mesh.axis_types, strict=True)
+      if t == AxisType.Auto
+    ]
+    if names
+    else []
+  )
+  return max(sizes, default=1) == 1 and not explicit_axes([x])
 
 
 def _stacks(indices: list[int], sizes: list[int]) -> list[list[int]]:
@@ -166,18 +170,17 @@ def varying_axes(x: Any) -> frozenset[Any]:
   return frozenset(vma or ())
 
 
-def explicit_axes(leaves: Sequence[Any]) -> tuple[Any, frozenset[Any]]:
-  """The mesh of the leaves' types and the Explicit axes that split them."""
-  mesh, axes = None, set()
+def explicit_axes(leaves: Sequence[Any]) -> frozenset[Any]:
+  """The Explicit mesh axes that split the leaves, in their types."""
+  axes = set()
   for x in leaves:
     sharding = getattr(jax.typeof(x), "sharding", None)
-    leaf_mesh = getattr(sharding, "mesh", None)
-    if sharding is None or leaf_mesh is None or leaf_mesh.empty:
+    mesh = getattr(sharding, "mesh", None)
+    if sharding is None or mesh is None or mesh.empty:
       continue
-    types = dict(zip(leaf_mesh.axis_names, leaf_mesh.axis_types, strict=True))
+    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
     for entry in sharding.spec:
       for name in entry if isinstance(entry, tuple) else (entry,):
         if name is not None and types[name] == AxisType.Explicit:
-          mesh = leaf_mesh
           axes.add(name)
-  return mesh, frozenset(axes)
+  return frozenset(axes)

@@ -101,11 +101,8 @@ def check(
     local.append(jnp.all(jnp.isfinite(value)).reshape(1))
   agreed = _numerics.agree(jnp.concatenate(local), axis_name)
   n = flags.shape[0]
-  return Checks(
-    grads_finite=jnp.all(agreed[:n]),
-    loss_finite=None if value is None else agreed[n],
-    flags=agreed[:n],
-  )
+  loss_finite = None if value is None else agreed[n]
+  return Checks(jnp.all(agreed[:n]), loss_finite, agreed[:n])
 
 
 def decide(
@@ -279,17 +276,16 @@ class LossScaleOptimizer:
   def _fresh(
     self, inner_state: Any, names: list[str]
   ) -> LossScaleOptimizerState:
-    zero = lambda: jnp.zeros((), jnp.int32)  # noqa: E731
-    return LossScaleOptimizerState(
-      loss_scale=jax.tree.map(jnp.copy, self.loss_scale),
-      inner_state=inner_state,
-      should_apply=jnp.array(True),
-      skipped_steps=zero(),
-      consecutive_skipped_steps=zero(),
-      nonfinite_loss_steps=zero(),
-      retries=zero(),
-      last_skip=SkipRecord.empty(self.loss_scale(), names),
-    )
+    # The loss scale, the inner state, `should_apply`, four counters (fresh
+    # arrays each: a donated state shares no buffer) and the skip record.
+    own = [
+      jax.tree.map(jnp.copy, self.loss_scale),
+      inner_state,
+      jnp.array(True),
+    ]
+    own += [jnp.zeros((), jnp.int32) for _ in range(4)]
+    own.append(SkipRecord.empty(self.loss_scale(), names))
+    return LossScaleOptimizerState._make(own)
 
   def update(
     self,

@@ -92,7 +92,6 @@ def unscale_gradients(
   call = "unscale_gradients.update"
 
   def init_fn(params: optax.Params) -> UnscaleGradientsState:
-    del params
     copy = jax.tree.map(jnp.copy, loss_scale)  # a donated state shares none
     return UnscaleGradientsState(copy, jnp.array(True))
 

@@ -16,6 +16,8 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 def describe(value: Any) -> str:
   """`value` for a message: its repr, cut with an ellipsis, typed once."""
+  if hasattr(value, "dtype") and hasattr(value, "shape") and np.ndim(value):
+    return f"an array of {value.dtype} and shape {value.shape}"
   text = repr(value)
   if len(text) > 60:
     text = text[:57] + "..."

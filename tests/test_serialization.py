@@ -1,98 +1,90 @@
-"""get, serialize and deserialize, in TensorFlow's and Keras' formats."""
+"""`serialize`, `deserialize` and configs, in TensorFlow's and Keras' formats.
+
+TensorFlow's own serialized configs are checked in `test_tf_traces.py`.
+"""
 
 from __future__ import annotations
 
 import json
 
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import optax_lossscale as ols
 
-
-def test_get_number_gives_fixed():
-  loss_scale = ols.get(123)
-  assert isinstance(loss_scale, ols.FixedLossScale)
-  assert float(loss_scale()) == 123.0
-  assert isinstance(ols.get(64.0), ols.FixedLossScale)
-  assert isinstance(ols.get(np.float32(8)), ols.FixedLossScale)
-
-
-def test_get_dynamic_string_gives_default_dynamic():
-  loss_scale = ols.get("dynamic")
-  assert isinstance(loss_scale, ols.DynamicLossScale)
-  assert loss_scale.get_config() == ols.DynamicLossScale().get_config()
-
-
-def test_get_passes_loss_scales_and_none_through():
-  loss_scale = ols.DynamicLossScale(4.0)
-  assert ols.get(loss_scale) is loss_scale
-  assert ols.get(None) is None
+LOSS_SCALES = {
+  "fixed": ols.FixedLossScale(123),
+  "dynamic": ols.DynamicLossScale(),
+  "dynamic-custom": ols.DynamicLossScale(
+    1,
+    2,
+    3,
+    min_loss_scale=0.5,
+    max_loss_scale=1e9,
+    hysteresis=4,
+    consecutive_hysteresis=True,
+  ),
+  "noop": ols.NoOpLossScale(),
+}
 
 
-def test_get_deserializes_dicts():
-  config = ols.serialize(ols.FixedLossScale(32))
-  assert ols.get(config).get_config() == {"loss_scale_value": 32.0}
-
-
-@pytest.mark.parametrize("identifier", ["dynamic2", "", True, [1.0], object()])
-def test_get_rejects_anything_else(identifier):
-  with pytest.raises(ValueError, match="identifier"):
-    ols.get(identifier)
-
-
-@pytest.mark.parametrize(
-  "loss_scale",
-  [
-    ols.FixedLossScale(123),
-    ols.DynamicLossScale(),
-    ols.DynamicLossScale(1, 2, 3, min_loss_scale=0.5, max_loss_scale=1e9),
-    ols.NoOpLossScale(),
-  ],
-  ids=["fixed", "dynamic", "dynamic-custom", "noop"],
-)
-def test_serialization_round_trip_through_json(loss_scale):
+@pytest.mark.parametrize("loss_scale", LOSS_SCALES.values(), ids=LOSS_SCALES)
+def test_serialization_round_trips_through_json(loss_scale):
   config = ols.serialize(loss_scale)
-  assert config["class_name"] == type(loss_scale).__name__
+  assert config == {
+    "class_name": type(loss_scale).__name__,
+    "config": loss_scale.get_config(),
+  }
   restored = ols.deserialize(json.loads(json.dumps(config)))
   assert type(restored) is type(loss_scale)
   assert restored.get_config() == loss_scale.get_config()
   assert float(restored()) == float(loss_scale())
+  again = type(loss_scale).from_config(loss_scale.get_config())
+  assert ols.serialize(again) == config
 
 
-def test_from_config_round_trip():
-  loss_scale = ols.DynamicLossScale(1, 2, 3)
-  restored = ols.DynamicLossScale.from_config(loss_scale.get_config())
-  assert restored.get_config() == {
+def test_get_config_writes_tensorflow_s_keys_and_only_changed_others():
+  assert ols.DynamicLossScale(1, 2, 3).get_config() == {
     "initial_loss_scale": 1.0,
     "increment_period": 2,
     "multiplier": 3.0,
-  }  # TensorFlow's keys: the bounds are the defaults
+  }
   bounded = ols.DynamicLossScale(4, 2, 2, min_loss_scale=2, max_loss_scale=64)
-  assert ols.DynamicLossScale.from_config(
-    bounded.get_config()
-  ).get_config() == {
+  assert bounded.get_config() == {
     "initial_loss_scale": 4.0,
     "increment_period": 2,
     "multiplier": 2.0,
     "min_loss_scale": 2.0,
     "max_loss_scale": 64.0,
   }
-  # A config 0.1.0 wrote, with the default bounds spelled out, still loads.
-  old = {**loss_scale.get_config(), "min_loss_scale": 1.0}
-  old["max_loss_scale"] = None
-  assert ols.DynamicLossScale.from_config(old).get_config() == (
-    loss_scale.get_config()
-  )
-  fixed = ols.FixedLossScale.from_config({"loss_scale_value": 5.0})
-  assert fixed.loss_scale_value == 5.0
+  assert ols.DynamicLossScale(hysteresis=2).get_config()["hysteresis"] == 2
+  assert ols.FixedLossScale(5).get_config() == {"loss_scale_value": 5.0}
+  assert ols.NoOpLossScale().get_config() == {}
+
+
+def test_a_0_1_0_config_with_the_default_bounds_spelled_out_loads():
+  old = {
+    "initial_loss_scale": 1.0,
+    "increment_period": 2,
+    "multiplier": 3.0,
+    "min_loss_scale": 1.0,
+    "max_loss_scale": None,
+  }
+  loss_scale = ols.DynamicLossScale.from_config(old)
+  assert loss_scale.get_config() == {
+    k: v for k, v in old.items() if "loss_scale" not in k or "initial" in k
+  }
+  wrapped = {"class_name": "DynamicLossScale", "config": old}
+  assert ols.deserialize(wrapped).get_config() == loss_scale.get_config()
 
 
 def test_serialize_restarts_from_the_initial_scale_as_tensorflow_does():
-  loss_scale, _ = ols.DynamicLossScale(8.0).update([jnp.array(jnp.inf)])
+  loss_scale, _ = ols.DynamicLossScale(8.0, hysteresis=1).update(
+    [jnp.array(jnp.inf)]
+  )
   restored = ols.deserialize(ols.serialize(loss_scale))
   assert float(loss_scale()) == 4.0 and float(restored()) == 8.0
+  assert int(restored.num_bad_steps) == 0
 
 
 # Configs as TensorFlow's `tf.keras.mixed_precision.experimental` and Keras'
@@ -104,10 +96,6 @@ TF_DYNAMIC = {
     "increment_period": 2000,
     "multiplier": 2.0,
   },
-}
-TF_FIXED = {
-  "class_name": "FixedLossScale",
-  "config": {"loss_scale_value": 128.0},
 }
 KERAS3_DYNAMIC = {
   "module": "keras.mixed_precision",
@@ -146,170 +134,191 @@ TF23_OPTIMIZER = {
 }
 
 
-def test_deserialize_tensorflow_configs():
-  dynamic = ols.deserialize(TF_DYNAMIC)
-  assert isinstance(dynamic, ols.DynamicLossScale)
-  assert dynamic.get_config()["increment_period"] == 2000
-  fixed = ols.deserialize(TF_FIXED)
-  assert isinstance(fixed, ols.FixedLossScale) and fixed.loss_scale_value == 128
+@pytest.mark.parametrize(
+  "config, expected",
+  [
+    (KERAS3_DYNAMIC, ols.DynamicLossScale(1024.0, 100)),
+    (KERAS2_OPTIMIZER, ols.DynamicLossScale(4096.0, 500)),
+    (KERAS2_FIXED_OPTIMIZER, ols.FixedLossScale(64.0)),
+    (TF23_OPTIMIZER, ols.DynamicLossScale()),
+  ],
+  ids=[
+    "keras3",
+    "keras2-optimizer",
+    "keras2-fixed-optimizer",
+    "tf2.3-optimizer",
+  ],
+)
+def test_deserialize_reads_keras_configs_without_importing_their_module(
+  config, expected
+):
+  loss_scale = ols.deserialize(config)
+  assert ols.serialize(loss_scale) == ols.serialize(expected)
 
 
-def test_deserialize_keras_configs_without_importing_their_module():
-  loss_scale = ols.deserialize(KERAS3_DYNAMIC)
-  assert float(loss_scale()) == 1024.0
-  optimizer = ols.deserialize(KERAS2_OPTIMIZER)
-  assert isinstance(optimizer, ols.DynamicLossScale)
-  assert float(optimizer()) == 4096.0 and optimizer.increment_period == 500
-  fixed = ols.deserialize(KERAS2_FIXED_OPTIMIZER)
-  assert isinstance(fixed, ols.FixedLossScale) and fixed.loss_scale_value == 64
-  assert isinstance(ols.deserialize(TF23_OPTIMIZER), ols.DynamicLossScale)
+MALFORMED = [
+  (
+    {"class_name": "DynamicLossScale"},
+    ValueError,
+    "got the keys ['class_name'].",
+  ),
+  ({"config": {}}, ValueError, "with the keys 'class_name' and 'config'"),
+  (
+    {"class_name": "FixedLossScale", "config": {}, "extra": 1},
+    ValueError,
+    "got the keys ['class_name', 'config', 'extra'].",
+  ),
+  (
+    {"class_name": "os.system", "config": {}},
+    ValueError,
+    "unknown loss scale class str 'os.system'; known: ['DynamicLossScale',",
+  ),
+  (
+    {"class_name": "LossScale", "config": {}},
+    ValueError,
+    "unknown loss scale class str 'LossScale'",
+  ),
+  (
+    {"class_name": 3, "config": {}},
+    ValueError,
+    "unknown loss scale class int 3",
+  ),
+  (
+    {"class_name": "FixedLossScale", "config": [1]},
+    ValueError,
+    "'config' must be a dict with string keys.",
+  ),
+  (
+    {"class_name": "FixedLossScale", "config": {"loss_scale_value": 0.5}},
+    ValueError,
+    "must be at least 1, got 0.5.",
+  ),
+  (
+    {"class_name": "FixedLossScale", "config": {"loss_scale_value": "1"}},
+    TypeError,
+    "must be a real number, got str '1'.",
+  ),
+  (
+    {"class_name": "FixedLossScale", "config": {"value": 2.0}},
+    ValueError,
+    "got unknown keys ['value']; it takes ['loss_scale_value'].",
+  ),
+  (
+    {"class_name": "DynamicLossScale", "config": {"increment_period": 1e3}},
+    TypeError,
+    "must be an int, got float 1000.0.",
+  ),
+  (
+    {
+      "class_name": "DynamicLossScale",
+      "config": {"increment_period": 10**400},
+    },
+    ValueError,
+    "increment_period=...)` must be an int in [1, 2147483647], got 1000",
+  ),
+  (
+    {
+      "class_name": "DynamicLossScale",
+      "config": {"initial_loss_scale": 10**400},
+    },
+    ValueError,
+    "initial_loss_scale=...)` must be finite in float32",
+  ),
+  ("FixedLossScale", TypeError, "takes a dict, got str."),
+  (None, TypeError, "takes a dict, got NoneType."),
+]
 
 
 @pytest.mark.parametrize(
-  "config, error",
-  [
-    ({"class_name": "DynamicLossScale"}, ValueError),
-    ({"config": {}}, ValueError),
-    ({"class_name": "FixedLossScale", "config": {}, "extra": 1}, ValueError),
-    ({"class_name": "os.system", "config": {}}, ValueError),
-    ({"class_name": "LossScale", "config": {}}, ValueError),
-    ({"class_name": 3, "config": {}}, ValueError),
-    ({"class_name": "FixedLossScale", "config": [1]}, ValueError),
-    (
-      {"class_name": "FixedLossScale", "config": {"loss_scale_value": 0.5}},
-      ValueError,
-    ),
-    (
-      {"class_name": "FixedLossScale", "config": {"loss_scale_value": "1"}},
-      TypeError,
-    ),
-    ({"class_name": "FixedLossScale", "config": {"value": 2.0}}, ValueError),
-    (
-      {
-        "class_name": "DynamicLossScale",
-        "config": {"increment_period": 10**400},
-      },
-      ValueError,
-    ),
-    (
-      {
-        "class_name": "DynamicLossScale",
-        "config": {"initial_loss_scale": 10**400},
-      },
-      ValueError,
-    ),
-    ("FixedLossScale", TypeError),
-    (None, TypeError),
-  ],
+  "config, error, message", MALFORMED, ids=[c[2] for c in MALFORMED]
 )
-def test_deserialize_rejects_malformed_configs(config, error):
-  with pytest.raises(error):
+def test_deserialize_rejects_malformed_configs_saying_why(
+  config, error, message
+):
+  with pytest.raises(error) as raised:
     ols.deserialize(config)
+  assert message in str(raised.value)
 
 
-def test_deserialize_names_the_keys_it_was_given():
-  with pytest.raises(ValueError) as error:
-    ols.deserialize({"class_name": "FixedLossScale", "config": {}, "extra": 1})
-  assert str(error.value) == (
-    "`deserialize(config)` takes a dict with the keys 'class_name' and"
-    " 'config', got the keys ['class_name', 'config', 'extra']."
-  )
+BAD_CONFIGS = [
+  (
+    ols.FixedLossScale,
+    [("loss_scale_value", 2.0)],
+    TypeError,
+    "takes a dict",
+  ),
+  (ols.FixedLossScale, {"loss_scale_value": 0.5}, ValueError, "at least 1"),
+  (
+    ols.DynamicLossScale,
+    {"current_loss_scale": 8.0},
+    ValueError,
+    "unknown keys ['current_loss_scale']",
+  ),
+  (
+    ols.DynamicLossScale,
+    {"hysteresis_budget": 2},  # an unreleased 0.2.0 field
+    ValueError,
+    "unknown keys ['hysteresis_budget']",
+  ),
+  (ols.DynamicLossScale, {"multiplier": 1.0}, ValueError, "greater than 1"),
+  (ols.DynamicLossScale, {"hysteresis": 1.5}, TypeError, "hysteresis"),
+]
 
 
-def test_deserialize_refuses_unregistered_subclasses_until_registered():
+@pytest.mark.parametrize(
+  "cls, config, error, message",
+  BAD_CONFIGS,
+  ids=[f"{c[0].__name__}-{c[3]}" for c in BAD_CONFIGS],
+)
+def test_from_config_raises_as_documented(cls, config, error, message):
+  with pytest.raises(error) as raised:
+    cls.from_config(config)
+  assert message in str(raised.value)
+  assert cls.__name__ in str(raised.value)
+
+
+def test_from_config_names_unknown_keys_of_a_loss_scale_without_fields():
+  with pytest.raises(ValueError, match=r"NoOpLossScale.from_config.*\['x'\]"):
+    ols.NoOpLossScale.from_config({"x": 1})
+
+
+def test_deserialize_builds_a_subclass_only_once_registered():
   class Halving(ols.NoOpLossScale):
     pass
 
   config = {"class_name": "Halving", "config": {}}
-  with pytest.raises(ValueError, match="unknown loss scale class"):
+  with pytest.raises(ValueError, match="unknown loss scale class str 'Halvi"):
     ols.deserialize(config)
-  ols.register_loss_scale(Halving)
+  assert ols.register_loss_scale(Halving) is Halving
+  assert ols.register_loss_scale(Halving) is Halving  # the same class again
   assert type(ols.deserialize(config)) is Halving
+  assert ols.serialize(Halving()) == config
 
 
-def test_register_rejects_non_loss_scales_and_name_clashes():
-  with pytest.raises(TypeError, match="cls"):
+def test_register_rejects_non_loss_scales_and_taken_names():
+  with pytest.raises(TypeError, match="takes a subclass of LossScale, got"):
     ols.register_loss_scale(dict)  # type: ignore[arg-type]
 
-  class FixedLossScale(ols.NoOpLossScale):
-    pass
-
-  with pytest.raises(ValueError, match="already taken"):
-    ols.register_loss_scale(FixedLossScale)
-
-
-def test_serialize_rejects_non_loss_scales():
-  with pytest.raises(TypeError, match="loss_scale"):
-    ols.serialize(2.0)  # type: ignore[arg-type]
-
-
-# --- the Raises sections -------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-  "cls, config, error, match",
-  [
-    (
-      ols.FixedLossScale,
-      [("loss_scale_value", 2.0)],
-      TypeError,
-      "takes a dict",
-    ),
-    (ols.FixedLossScale, {"loss_scale_value": "2"}, TypeError, "a number"),
-    (
-      ols.FixedLossScale,
-      {"value": 2.0},
-      ValueError,
-      r"unknown keys \['value'\]",
-    ),
-    (ols.FixedLossScale, {"loss_scale_value": 0.5}, ValueError, "at least 1"),
-    (
-      ols.DynamicLossScale,
-      {"current_loss_scale": 8.0},
-      ValueError,
-      r"unknown keys \['current_loss_scale'\]",
-    ),
-    (ols.DynamicLossScale, {"multiplier": 1.0}, ValueError, "greater than 1"),
-    (ols.DynamicLossScale, {"hysteresis": 1.5}, TypeError, "hysteresis"),
-    (ols.NoOpLossScale, {"loss_scale_value": 2.0}, ValueError, "unknown keys"),
-  ],
-)
-def test_from_config_raises_as_documented(cls, config, error, match):
-  with pytest.raises(error, match=match) as raised:
-    cls.from_config(config)
-  assert cls.__name__ in str(raised.value)
-
-
-@pytest.mark.parametrize(
-  "identifier, error, match",
-  [
-    (0.5, ValueError, "at least 1"),
-    (np.array([2.0, 4.0]), ValueError, "scalar"),
-    (np.complex64(2), TypeError, "real number"),
-    ({"class_name": "NoSuchLossScale", "config": {}}, ValueError, "unknown"),
-    (
-      {"class_name": "FixedLossScale", "config": {"loss_scale_value": "2"}},
-      TypeError,
-      "a number",
-    ),
-  ],
-)
-def test_get_raises_what_fixed_loss_scale_and_deserialize_raise(
-  identifier, error, match
-):
-  with pytest.raises(error, match=match):
-    ols.get(identifier)
-
-
-def test_register_refuses_a_name_another_registered_class_has():
   def make():
+    class FixedLossScale(ols.NoOpLossScale):
+      pass
+
+    return FixedLossScale
+
+  with pytest.raises(ValueError, match="'FixedLossScale' is already taken"):
+    ols.register_loss_scale(make())
+
+  def make_taken():
     class TakenOnce(ols.NoOpLossScale):
       pass
 
     return TakenOnce
 
-  first = make()
-  assert ols.register_loss_scale(first) is first
-  assert ols.register_loss_scale(first) is first  # the same class again
+  ols.register_loss_scale(make_taken())
   with pytest.raises(ValueError, match="'TakenOnce' is already taken by"):
-    ols.register_loss_scale(make())
+    ols.register_loss_scale(make_taken())
+
+
+def test_serialize_rejects_non_loss_scales():
+  with pytest.raises(TypeError, match="takes a LossScale, got float"):
+    ols.serialize(2.0)  # type: ignore[arg-type]
