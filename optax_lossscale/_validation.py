@@ -18,9 +18,8 @@ def describe(value: Any) -> str:
   """`value` for a message: its repr, cut with an ellipsis, typed once."""
   if hasattr(value, "dtype") and hasattr(value, "shape") and np.ndim(value):
     return f"an array of {value.dtype} and shape {value.shape}"
-  text = repr(value)
-  if len(text) > 60:
-    text = text[:57] + "..."
+  text = " ".join(repr(value).split())
+  text = text if len(text) <= 60 else text[:57] + "..."
   name = type(value).__name__
   return text if text.startswith(name) else f"{name} {text}"
 

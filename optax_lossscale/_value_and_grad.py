@@ -64,7 +64,8 @@ def scaled_value_and_grad(
   ) -> tuple[Any, Any]:
     loss_scale = opt_state
     if not isinstance(opt_state, LossScale):
-      where = "The first argument of `scaled_value_and_grad(fun)(...)`"
+      where = "`scaled_value_and_grad(fun)(opt_state, params, ...)`: the first"
+      where += " argument, the optimizer state (did you pass the parameters?),"
       loss_scale = find_loss_scale(where, opt_state)
 
     def scaled(*args: Any, **kwargs: Any) -> tuple[jax.Array, Any]:

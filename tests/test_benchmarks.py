@@ -162,6 +162,7 @@ def _writer(name: str) -> tuple[str, ...] | None:
   return None
 
 
+@pytest.mark.slow
 def test_accelerator_script_quick_mode_writes_one_table(tmp_path):
   out = tmp_path / "accelerator.md"
   # The sweep has a quick mode of its own; here it would only add minutes.
@@ -211,6 +212,7 @@ def test_accelerator_script_quick_mode_writes_one_table(tmp_path):
     assert float(row[7]) > 0, row
 
 
+@pytest.mark.slow
 def test_model_step_quick_mode_checks_the_bounds(tmp_path):
   out = tmp_path / "model_step.md"
   _run(
@@ -376,6 +378,7 @@ def test_first_compile_reads_xla_pass_times_counting_nothing_twice(
   assert not first_compile.pass_times("no pass lines at all")
 
 
+@pytest.mark.slow
 def test_first_compile_quick_run_writes_both_tables(tmp_path):
   # The real script on 8 leaves, one compile each, the passes read from
   # XLA's own log in child processes: a change of the log's format fails
