@@ -22,16 +22,7 @@ __all__ = ["check_state"]
 T = TypeVar("T")
 _COUNTERS = ["skipped_steps", "consecutive_skipped_steps"]
 _COUNTERS += ["nonfinite_loss_steps", "retries"]
-_RECORD_DTYPES: dict[str, Any] = dict(
-  loss_scale=np.float32, next_loss_scale=np.float32
-)
-_RECORD_DTYPES |= dict(consecutive_skipped_steps=np.int32, leaf_names=np.uint8)
-_RECORD_DTYPES |= dict.fromkeys(
-  ["loss_given", "loss_finite", "at_floor", "nonfinite"], np.bool_
-)
-
-
-_MOVES = "TensorFlow's rule moves it from there"
+_MOVES = "steps take the nearest bound"
 _GROWS = "the next finite step grows the scale"
 _LOWERS = "the next non-finite step lowers the scale"
 
@@ -50,8 +41,9 @@ def _check(
   """`value`'s dtype, its shape (the state's, or one axis more), its range."""
   value = _array(value)
   if isinstance(value, numbers.Number) or value is None:
+    got = _validation.describe(value)
     raise TypeError(
-      f"{where} must be an array of {np.dtype(dtype)}, got {value!r}."
+      f"{where} must be an array of {np.dtype(dtype)}, got {got}."
     )
   _validation.array_dtype(where, value, dtype)
   per_leaf = where.endswith(("nonfinite`", "leaf_names`"))
@@ -68,7 +60,6 @@ def _check_loss_scale(ls: LossScale, path: str, shape: Any) -> None:
   """A `DynamicLossScale`'s state; says what it keeps past its bounds."""
   if not isinstance(ls, DynamicLossScale):
     return
-  shape = np.shape(_array(ls.current_loss_scale)) if shape is None else shape
   shape = np.shape(_array(ls.current_loss_scale)) if shape is None else shape
   tiny, big = np.finfo(np.float32).tiny, np.finfo(np.float32).max
   top = ls.max_loss_scale or np.inf
@@ -93,6 +84,9 @@ def _check_loss_scale(ls: LossScale, path: str, shape: Any) -> None:
 
 
 def _check_optimizer_state(state: LossScaleOptimizerState, path: str) -> None:
+  if not isinstance(state.loss_scale, LossScale):
+    got = _validation.describe(state.loss_scale)
+    raise TypeError(f"`{path}.loss_scale` must be a LossScale, got {got}.")
   should_apply = _array(state.should_apply)
   _check(f"`{path}.should_apply`", should_apply, np.bool_, None, 0, 1)
   shape = np.shape(should_apply)
@@ -116,13 +110,9 @@ def _check_optimizer_state(state: LossScaleOptimizerState, path: str) -> None:
     raise TypeError(
       f"`{path}.last_skip` must be a SkipRecord, got {_validation.describe(record)}."
     )
-  if not isinstance(record, SkipRecord):
-    raise TypeError(
-      f"`{path}.last_skip` must be a SkipRecord, got {_validation.describe(record)}."
-    )
-  for name, dtype in _RECORD_DTYPES.items():
+  for name, want in vars(jax.eval_shape(SkipRecord.empty, 1.0, [])).items():
     where = f"`{path}.last_skip.{name}`"
-    _check(where, getattr(record, name), dtype, shape, 0, np.inf)
+    _check(where, getattr(record, name), want.dtype, shape, 0, np.inf)
   raw = _validation.host_values(_array(record.leaf_names))
   names = None if raw is None else len(record.names())
   flags = np.shape(_array(record.nonfinite))[-1:]

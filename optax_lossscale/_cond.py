@@ -52,6 +52,9 @@ def cond(
   `jax.custom_batching.custom_vmap`, whose rule selects leaf by leaf with
   the predicate sharded like each case. Otherwise it is `lax.cond` itself.
   The wrapped form is differentiated as the plain `cond` (a `custom_jvp`).
+  Remove it once JAX's `vmap` of `cond` keeps the cases' sharding:
+  `check_vmap_members_sharded_inside` in tests/multidevice_checks.py fails
+  under JAX 0.10.2 without it.
   """
   if not _numerics.explicit_axes(jax.tree.leaves((operands, sharded_like))):
     return lax.cond(pred, true_fun, false_fun, *operands)

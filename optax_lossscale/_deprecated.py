@@ -15,7 +15,7 @@ from optax_lossscale._states import find_loss_scale
 REPLACEMENTS = {
   "apply_gradients": "`LossScaleOptimizer.apply_gradients`",
   "get": "the loss scale's class, or `deserialize` for a config dict",
-  "get_loss_scale": "`opt_state.loss_scale`",
+  "get_loss_scale": "`opt_state.loss_scale` (`opt_state[i]...` in a chain)",
   "loss_scale_optimizer": "`LossScaleOptimizer.gradient_transformation()`",
 }
 

@@ -200,8 +200,10 @@ class LossScale(abc.ABC):
     return None
 
   def retried(self, fitted: Self) -> Self:
-    """The loss scale after a batch that overflowed at this scale and was
-    recomputed at `fitted` (a `lowered()` scale); this one drops to it.
+    """The loss scale after a batch recomputed at lower scales: `fitted`.
+
+    The batch overflowed at this scale and was recomputed at `fitted`, a
+    `lowered()` scale; this base implementation drops to it.
 
     Args:
       fitted: the loss scale the batch fit at (or, if it never fit, one
@@ -473,8 +475,11 @@ class DynamicLossScale(LossScale):
       )
 
   def __call__(self) -> jax.Array:
+    # A scale outside the bounds (restored into other ones) counts as the
+    # nearest, and NaN as the floor: the check's shortcut needs at least 1.
     # `asarray` unwraps containers such as Flax NNX's optimizer variables.
-    return jnp.asarray(self.current_loss_scale)
+    scale = jnp.minimum(self.current_loss_scale, self.max_loss_scale or np.inf)
+    return jnp.where(scale >= self.min_loss_scale, scale, self.min_loss_scale)
 
   def _backed_off(self) -> jax.Array:
     """The scale divided by `multiplier`, floored: TensorFlow's backoff."""
@@ -492,7 +497,7 @@ class DynamicLossScale(LossScale):
     can_raise = jnp.isfinite(raised)
     if self.max_loss_scale is not None:
       can_raise &= raised <= jnp.float32(self.max_loss_scale)
-    bad = jnp.minimum(jnp.asarray(self.num_bad_steps) + 1, self.hysteresis)
+    bad = jnp.minimum(jnp.asarray(self.num_bad_steps), self.hysteresis - 1) + 1
     lower = bad >= self.hysteresis
     reset_bad = grow | self.consecutive_hysteresis
     new = dataclasses.replace(
@@ -518,10 +523,13 @@ class DynamicLossScale(LossScale):
     )
 
   def retried(self, fitted: Self) -> Self:
-    """A recomputed batch is one non-finite step: it spends one unit of the
-    hysteresis budget and keeps this scale while budget remains; once none
-    remains, the scale drops to `fitted`'s, the scale the batch fit at."""
-    bad = jnp.minimum(jnp.asarray(self.num_bad_steps) + 1, self.hysteresis)
+    """A recomputed batch is one non-finite step for the loss scale.
+
+    It spends one unit of the hysteresis budget and keeps this scale while
+    budget remains; once none remains, the scale drops to `fitted`'s, the
+    scale the batch fit at.
+    """
+    bad = jnp.minimum(jnp.asarray(self.num_bad_steps), self.hysteresis - 1) + 1
     return dataclasses.replace(
       self,
       current_loss_scale=jnp.where(bad >= self.hysteresis, fitted(), self()),

@@ -57,15 +57,21 @@ def check_structure(call: str, grads: Any, params: Any) -> None:
     jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_none)
     for tree in (grads, params)
   ]
-  if [path for path, _ in pairs[0]] != [path for path, _ in pairs[1]]:
+  keys = [[jax.tree_util.keystr(k) for k, _ in pair] for pair in pairs]
+  if keys[0] != keys[1]:
+    odd = sorted(set(keys[0]) ^ set(keys[1]))[:3] or "the tree types"
     raise ValueError(
-      f"`{call}`: the gradients' structure differs from the parameters':"
-      f" {jax.tree.structure(grads)} vs {jax.tree.structure(params)}."
+      f"`{call}`: the gradients' and the parameters' structures differ"
+      f" (at {odd})."
     )
   for (path, g), (_, p) in zip(*pairs, strict=True):
-    if g is None:  # Equinox's gradients of what is not a parameter
-      continue
     name = jax.tree_util.keystr(path) or "<root>"
+    if g is None and p is not None:
+      raise ValueError(
+        f"`{call}`: the gradient at {name} is None, its parameter not."
+      )
+    if g is None:  # both None: Equinox's gradients of what is not a parameter
+      continue
     if jnp.shape(g) != jnp.shape(p):
       raise ValueError(
         f"`{call}`: the gradient at {name} has shape {jnp.shape(g)}, its"

@@ -168,10 +168,8 @@ def _stop_message(members: _Members, m: int, limit: int) -> str:
     f" The last skipped step ran at loss scale {report.loss_scale:g}, {where}."
     f" Leaves with non-finite gradients: {', '.join(report.nonfinite) or 'none'}."
   )
-  if report.loss_finite is False:
-    fix = _FIXES["loss"]
-  else:
-    fix = _FIXES["floor" if at_floor else "falling"]
+  cause = "floor" if at_floor else "falling"
+  fix = _FIXES["loss" if report.loss_finite is False else cause]
   return f"{head}{what} Likely fix: {fix}"
 
 

@@ -46,6 +46,8 @@ def retry(
   deadlock. `finish(attempt, operand)` runs in every iteration and returns
   the new operand (the parameters and state), unchanged when `held`: the
   update runs in the last iteration, and the gradients are never carried.
+  Under `vmap` the step's `cond` is a select, so the update then runs, and
+  is discarded, in every attempt of every member.
 
   Returns:
     `(value, new_operand)`: the last attempt's value and `finish`'s result.
@@ -71,12 +73,7 @@ def retry(
     return retries + 1, again, ls, value, operand
 
   value_like = jax.eval_shape(run, loss_scale, operand)[0]
-  start = (
-    jnp.zeros((), jnp.int32),
-    jnp.array(True),
-    loss_scale,
-    optax.tree.zeros_like(value_like),
-    operand,
-  )
+  placeholder = optax.tree.zeros_like(value_like)
+  start = (jnp.int32(0), jnp.array(True), loss_scale, placeholder, operand)
   *_, value, operand = lax.while_loop(lambda carry: carry[1], body, start)
   return value, operand

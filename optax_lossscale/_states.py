@@ -159,18 +159,25 @@ def find_states(opt_state: Any, types: tuple[type, ...]) -> list[Any]:
 
 
 def check_dtypes(call: str, state: Any, like: Any) -> None:
-  """Raises a `TypeError`, at trace time, if a leaf of `state` was cast.
+  """Raises a `TypeError`, at trace time, if a field of `state` was cast.
 
-  `like` is a state of the expected dtypes (from `init`, abstract or not);
-  the inner state is not compared: the inner optimizer owns it.
+  `like` is a state of the expected fields and dtypes (from `init`,
+  abstract); the inner state is not compared: the inner optimizer owns it.
   """
-  own = lambda s: s._replace(inner_state=None)  # noqa: E731
-  expected = jax.tree.leaves(own(like))
-  for (path, leaf), want in zip(
-    jax.tree_util.tree_leaves_with_path(own(state)), expected, strict=False
-  ):
-    where = f"`{call}`: the state's `{jax.tree_util.keystr(path)}`"
-    _validation.array_dtype(where, leaf, want.dtype)
+  inner = {"inner_state": None} if hasattr(state, "inner_state") else {}
+  leaves = jax.tree_util.tree_leaves_with_path
+  want = {
+    jax.tree_util.keystr(p): x.dtype for p, x in leaves(like._replace(**inner))
+  }
+  got = {jax.tree_util.keystr(p): x for p, x in leaves(state._replace(**inner))}
+  if got.keys() != want.keys():
+    raise TypeError(
+      f"`{call}`: the state's fields {sorted(got.keys() ^ want.keys())[:4]}"
+      " differ from those `init` returns: restore into a target built by"
+      " `init`; `check_state` checks a restored state."
+    )
+  for path, leaf in got.items():
+    _validation.array_dtype(f"`{call}`: the state's `{path}`", leaf, want[path])
 
 
 def find_one(where: str, opt_state: Any, types: tuple[type, ...]) -> Any:

@@ -16,7 +16,7 @@ from optax_lossscale._optimizer import (
   check_structure,
   decide,
 )
-from optax_lossscale._states import UnscaleGradientsState
+from optax_lossscale._states import UnscaleGradientsState, check_dtypes
 
 __all__ = ["unscale_gradients"]
 
@@ -102,6 +102,7 @@ def unscale_gradients(
     **extra_args: Any,
   ) -> tuple[optax.Updates, UnscaleGradientsState]:
     _validation.state(call, state, UnscaleGradientsState)
+    check_dtypes(call, state, jax.eval_shape(init_fn, None))
     check_structure(call, updates, params)
     checks = check(
       call, state.loss_scale, updates, extra_args.get("value"), axis_name

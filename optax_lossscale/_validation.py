@@ -21,7 +21,7 @@ def describe(value: Any) -> str:
   text = " ".join(repr(value).split())
   text = text if len(text) <= 60 else text[:57] + "..."
   name = type(value).__name__
-  return text if text.startswith(name) else f"{name} {text}"
+  return text if text.startswith((name, f"np.{name}")) else f"{name} {text}"
 
 
 def scalar(call: str, name: str, value: Any) -> float:

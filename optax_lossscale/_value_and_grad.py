@@ -70,10 +70,10 @@ def scaled_value_and_grad(
 
     def scaled(*args: Any, **kwargs: Any) -> tuple[jax.Array, Any]:
       out = fun(*args, **kwargs)
-      if not has_aux and isinstance(out, (tuple, list)):
+      if isinstance(out, (tuple, list)) != has_aux:
         raise TypeError(
-          "`fun` returned a tuple, not a scalar loss: if it returns"
-          " `(loss, aux)`, pass `has_aux=True`."
+          f"`fun` returned {_validation.describe(out)} with has_aux={has_aux}:"
+          " return a scalar loss, or return `(loss, aux)` and pass `has_aux=True`."
         )
       loss, aux = out if has_aux else (out, None)
       return loss_scale.scale(loss), (loss, aux)

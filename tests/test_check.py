@@ -241,14 +241,14 @@ def test_check_state_checks_a_stacked_state_element_by_element():
       "current_loss_scale",
       0.5,
       "`tree.loss_scale.current_loss_scale` = 0.5, outside [2, inf] for these"
-      " hyperparameters: TensorFlow's rule moves it from there.",
+      " hyperparameters: steps take the nearest bound.",
     ),
     (
       dict(initial_loss_scale=4.0, max_loss_scale=16.0),
       "current_loss_scale",
       64.0,
       "`tree.loss_scale.current_loss_scale` = 64.0, outside [1, 16] for these"
-      " hyperparameters: TensorFlow's rule moves it from there.",
+      " hyperparameters: steps take the nearest bound.",
     ),
   ],
   ids=["bad-steps", "good-steps", "below-min", "above-max"],
@@ -277,7 +277,7 @@ def test_check_state_says_what_it_keeps_outside_the_usual_range(
     ("skipped_steps", jnp.uint8(0), "must be int32, got uint8: the state was"),
     ("retries", np.zeros((), np.int64), "must be int32, got int64"),
     ("retries", np.int64(0), "must be an array of int32, got np.int64(0)."),
-    ("consecutive_skipped_steps", 0, "must be an array of int32, got 0."),
+    ("consecutive_skipped_steps", 0, "must be an array of int32, got int 0."),
     ("should_apply", jnp.int32(1), "must be bool, got int32"),
     ("nonfinite_loss_steps", jnp.float32(0), "must be int32, got float32"),
   ],

@@ -64,7 +64,7 @@ BAD_VALUES = [
   ([2.0], TypeError, "must be a real number, got list [2.0]."),
   (np.array([2.0, 4.0]), TypeError, "got an array of float64 and shape (2,)."),
   (np.array(True), TypeError, "got ndarray array(True)."),
-  (np.complex64(2), TypeError, "got complex64 np.complex64(2+0j)."),
+  (np.complex64(2), TypeError, "got np.complex64(2+0j)."),
 ]
 
 
@@ -488,9 +488,11 @@ def test_construction_and_unflattening_never_read_or_check_the_state():
     jax.tree.unflatten(treedef, negative)
   with jax.transfer_guard_device_to_host("disallow"):
     ols.DynamicLossScale(current_loss_scale=negative[0])
-  # A state built from tracers under `jit` is not checked either.
+  # A state built from tracers under `jit` is not checked either; a scale
+  # below the floor (or NaN) counts as the floor.
   build = jax.jit(lambda s: ols.DynamicLossScale(current_loss_scale=s)())
-  assert float(build(jnp.float32(-1.0))) == -1.0
+  assert float(build(jnp.float32(-1.0))) == 1.0
+  assert float(build(jnp.float32(jnp.nan))) == 1.0
 
 
 def test_steps_build_their_state_without_reading_it():

@@ -413,7 +413,7 @@ def test_scaled_value_and_grad_says_the_first_argument_is_the_state():
   # The arguments swapped: the parameters hold no loss scale.
   with pytest.raises(
     ValueError,
-    match=r"first argument .* must be an optimizer state.*found 0 in dict",
+    match=r"first argument, the optimizer state \(did you pass the parameters\?\).*found 0 in dict",
   ):
     grad_fn(params, tx.init(params))
   two = optax.chain(

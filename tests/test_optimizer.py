@@ -974,7 +974,7 @@ def test_gradients_of_another_structure_or_shape_name_the_leaf(entry):
   state = tx.init(params)
   with pytest.raises(ValueError, match=r"\['b'\] has shape \(4,\).* \(3,\)"):
     jax.jit(step)(dict(params, b=jnp.ones(4)), state, params)
-  with pytest.raises(ValueError, match=r"structure differs.*'v'"):
+  with pytest.raises(ValueError, match=r"structures differ.*'v'"):
     step({"v": jnp.ones(3), "w": params["w"]}, state, params)
 
 
@@ -1039,3 +1039,30 @@ def test_no_module_reads_another_modules_underscore_names():
           if alias.name.startswith("_") and not alias.name.startswith("__"):
             offenders.append(f"{path.name}: {node.module}.{alias.name}")
   assert not offenders, offenders
+
+
+@pytest.mark.parametrize("scale", [0.25, 0.0, np.nan, 1e30])
+def test_a_stored_scale_outside_its_bounds_counts_as_the_nearest(scale):
+  # Restored into other bounds, or set by hand: the step never unscales by
+  # less than min_loss_scale, so a finite scaled gradient cannot overflow.
+  tx = ols.LossScaleOptimizer(
+    optax.sgd(1.0), ols.DynamicLossScale(4.0, max_loss_scale=8.0)
+  )
+  params = {"w": jnp.zeros(2)}
+  state = tx.init(params)
+  bad = dataclasses.replace(
+    state.loss_scale, current_loss_scale=jnp.float32(scale)
+  )
+  state = state._replace(loss_scale=bad)
+  new, state = jax.jit(tx.apply_gradients)(
+    {"w": jnp.array([0.0, 1e38])}, state, params
+  )
+  assert bool(jnp.all(jnp.isfinite(new["w"])))
+  assert 1.0 <= float(state.loss_scale.current_loss_scale) <= 8.0
+
+
+def test_a_none_gradient_needs_a_none_parameter():
+  tx = ols.LossScaleOptimizer(optax.sgd(1.0), ols.DynamicLossScale())
+  params = {"w": jnp.ones(2), "f": jnp.ones(1)}
+  with pytest.raises(ValueError, match=r"\['f'\] is None, its parameter not"):
+    tx.apply_gradients({"w": jnp.ones(2), "f": None}, tx.init(params), params)

@@ -202,3 +202,16 @@ def test_it_checks_the_incoming_gradients_once_and_unscales_for_the_chain():
   assert checked == inputs
   assert reduced == n * shape[0] * shape[1]
   assert not any(e.primitive is lax.cond_p for e in jaxpr.eqns)  # no skip
+
+
+def test_a_cast_state_is_named_at_trace_time():
+  tx = ols.unscale_gradients(ols.DynamicLossScale(8.0))
+  state = tx.init(None)
+  cast = jax.tree.map(
+    lambda x: x.astype(jnp.float16) if x.dtype == jnp.float32 else x, state
+  )
+  with pytest.raises(
+    TypeError,
+    match=r"current_loss_scale` must be float32, got float16.*check_state",
+  ):
+    jax.jit(tx.update).trace({"w": jnp.ones(2)}, cast)

@@ -103,7 +103,9 @@ def hysteresis_loss_scale(
   ones); a full period raises the scale when the product is finite and within
   `max_loss_scale`, and restarts both counts, raised or not. A non-finite
   step restarts the good count and counts a bad step, at most `hysteresis` of
-  them; once `hysteresis` have counted, it divides the scale (floored).
+  them; once `hysteresis` have counted, it divides the scale (floored). A
+  scale outside `[min_loss_scale, max_loss_scale]` counts as the nearest
+  bound, and NaN as the floor.
   """
   scale = np.float32(scale)
   m = np.float32(multiplier)
@@ -112,6 +114,8 @@ def hysteresis_loss_scale(
   out = []
   with np.errstate(over="ignore"):
     for finite in finite_steps:
+      floor = np.float32(min_loss_scale)
+      scale = min(scale, top) if scale >= floor else floor
       if finite:
         good += 1
         if consecutive_hysteresis:
