@@ -20,8 +20,8 @@ from optax_lossscale._states import LossScaleOptimizerState, SkipRecord
 __all__ = ["check_state"]
 
 T = TypeVar("T")
-_COUNTERS = ["skipped_steps", "consecutive_skipped_steps"]
-_COUNTERS += ["nonfinite_loss_steps", "retries"]
+# The four int32 counters, `skipped_steps` and `consecutive_skipped_steps` first.
+_COUNTERS = LossScaleOptimizerState._fields[3:7]
 _MOVES = "steps take the nearest bound"
 _GROWS = "the next finite step grows the scale"
 _LOWERS = "the next non-finite step lowers the scale"

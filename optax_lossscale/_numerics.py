@@ -23,16 +23,18 @@ AxisName = Hashable | Sequence[Hashable] | None
 # (`benchmarks/finite_sweep.py`: 400 x (1000,) and GPT-2's small leaves).
 # A stack holds at most _STACK leaves of one dtype, each at most _PADDING
 # times the size of the smallest, which bounds the zero padding. Larger or
-# sharded leaves are checked in place, as `jnp.all(jnp.isfinite(x))`.
+# sharded leaves are checked in place. Every check is `isfinite` reduced by a
+# `min` over uint8, not an `all` over bools: XLA:CPU vectorises the first and
+# not the second (0.3x to 0.6x the one-liner on leaves of a million elements,
+# 1.0x on small ones: `finite_sweep.py`), and neither can make a NaN.
 _SMALL = 2**12
 _STACK = 64
 _PADDING = 4
 
 
 def is_float(x: Any) -> bool:
-  """Whether a leaf is checked: floating point or complex, not `float0`."""
-  dtype = jnp.result_type(x)
-  return dtype != jax.dtypes.float0 and jnp.issubdtype(dtype, jnp.inexact)
+  """Whether a leaf is checked: floating point or complex (`float0` is not)."""
+  return bool(jnp.issubdtype(jnp.result_type(x), jnp.inexact))
 
 
 def _whole(x: jax.Array) -> bool:
@@ -74,8 +76,10 @@ def _stacks(indices: list[int], sizes: list[int]) -> list[list[int]]:
 def _stack_flags(leaves: list[jax.Array]) -> jax.Array:
   """Per leaf, whether it is finite: one row each, padded with zeros."""
   longest = max(x.size for x in leaves)
-  rows = jnp.stack([jnp.pad(x.ravel(), (0, longest - x.size)) for x in leaves])
-  return jnp.all(jnp.isfinite(rows), axis=1)
+  # `jnp.pad` only where needed: it is a jitted call, one more per leaf.
+  pad = lambda x: jnp.pad(x, (0, longest - x.size)) if x.size < longest else x  # noqa: E731
+  rows = jnp.stack([pad(x.ravel()) for x in leaves])
+  return jnp.min(jnp.isfinite(rows).astype(jnp.uint8), axis=1, initial=1) == 1
 
 
 def finite_flags(leaves: Sequence[Any]) -> jax.Array:
@@ -93,7 +97,8 @@ def finite_flags(leaves: Sequence[Any]) -> jax.Array:
     if x.size <= _SMALL and _whole(x):
       small.setdefault(x.dtype, []).append(i)
     else:
-      pieces.append(jnp.all(jnp.isfinite(x)).reshape(1))
+      finite = jnp.min(jnp.isfinite(x).astype(jnp.uint8), initial=1) == 1
+      pieces.append(finite.reshape(1))
       order.append(i)
   sizes = [x.size for x in arrays]
   for same_dtype in small.values():
