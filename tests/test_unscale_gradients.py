@@ -194,7 +194,8 @@ def test_it_checks_the_incoming_gradients_once_and_unscales_for_the_chain():
 
   checked, reduced = set(), 0
   for e in jaxpr.eqns:
-    if e.primitive is lax.reduce_and_p and e.invars[0].aval.size > n:
+    reductions = (lax.reduce_and_p, lax.reduce_min_p)
+    if e.primitive in reductions and e.invars[0].aval.size > n:
       found, names = sources(e.invars[0])
       assert not names & {"mul", "div"}, names
       checked |= found & inputs
