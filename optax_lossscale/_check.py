@@ -110,7 +110,8 @@ def _check_optimizer_state(state: LossScaleOptimizerState, path: str) -> None:
     raise TypeError(
       f"`{path}.last_skip` must be a SkipRecord, got {_validation.describe(record)}."
     )
-  for name, want in vars(jax.eval_shape(SkipRecord.empty, 1.0, [])).items():
+  empty = jax.eval_shape(SkipRecord.empty, np.float32(1), [])
+  for name, want in vars(empty).items():
     where = f"`{path}.last_skip.{name}`"
     _check(where, getattr(record, name), want.dtype, shape, 0, np.inf)
   raw = _validation.host_values(_array(record.leaf_names))

@@ -41,11 +41,8 @@ class Checks(NamedTuple):
 
 def check_loss_scale(call: str, loss_scale: Any) -> None:
   if not isinstance(loss_scale, LossScale):
-    raise TypeError(
-      f"`{call}(loss_scale=...)` must be a LossScale (FixedLossScale,"
-      f" DynamicLossScale, NoOpLossScale), got"
-      f" {_validation.describe(loss_scale)}."
-    )
+    got = _validation.describe(loss_scale)
+    raise TypeError(f"`{call}(loss_scale=...)` must be a LossScale, got {got}.")
 
 
 def check_structure(call: str, grads: Any, params: Any) -> None:
