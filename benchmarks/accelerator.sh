@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Loss scaling on whatever backend JAX finds (CPU, GPU or TPU), in one
 # markdown file: the finiteness-check sweep, step_overhead's main rows, the
-# fused step with one lax.cond against a per-leaf select, and a GPT-2-shaped
-# model's train step. Ratios only, measured in one process.
+# fused step with one lax.cond against a per-leaf select, a GPT-2-shaped
+# model's train step (ratios measured in one process), and the fused step
+# against plain adam in two more processes, without and with
+# XLA_FLAGS+=--xla_gpu_enable_command_buffer=+CONDITIONAL, with the copies
+# in its compiled HLO.
 #
 # Usage: benchmarks/accelerator.sh [OUT.md] [--quick] [--no-sweep]
 #   OUT.md      where to write (default benchmarks/ACCELERATOR_<backend>.md)
@@ -28,7 +31,7 @@ for arg in "$@"; do
     --quick) quick=(--quick) ;;
     --no-sweep) sweep=no ;;
     -h | --help)
-      sed -n '2,19s/^# \{0,1\}//p' "$0"
+      sed -n '2,21s/^# \{0,1\}//p' "$0"
       exit 0
       ;;
     -*)
