@@ -15,13 +15,17 @@ from optax_lossscale._loss_scale import (
   DynamicLossScale,
   LossScale,
 )
-from optax_lossscale._states import LossScaleOptimizerState, SkipRecord
+from optax_lossscale._states import (
+  LossScaleOptimizerState,
+  SkipRecord,
+  WriteRecord,
+)
 
 __all__ = ["check_state"]
 
 T = TypeVar("T")
-# The four int32 counters, `skipped_steps` and `consecutive_skipped_steps` first.
-_COUNTERS = LossScaleOptimizerState._fields[3:7]
+# The int32 counters, `skipped_steps` and `consecutive_skipped_steps` first.
+_COUNTERS = (*LossScaleOptimizerState._fields[3:7], "steps")
 _MOVES = "steps take the nearest bound"
 _GROWS = "the next finite step grows the scale"
 _LOWERS = "the next non-finite step lowers the scale"
@@ -105,23 +109,29 @@ def _check_optimizer_state(state: LossScaleOptimizerState, path: str) -> None:
       f"`{path}.consecutive_skipped_steps` must be at most `skipped_steps`,"
       f" got {consecutive.tolist()} > {skipped.tolist()}."
     )
-  record = state.last_skip
-  if not isinstance(record, SkipRecord):
-    raise TypeError(
-      f"`{path}.last_skip` must be a SkipRecord, got {_validation.describe(record)}."
-    )
-  empty = jax.eval_shape(SkipRecord.empty, np.float32(1), [])
-  for name, want in vars(empty).items():
-    where = f"`{path}.last_skip.{name}`"
-    _check(where, getattr(record, name), want.dtype, shape, 0, np.inf)
-  raw = _validation.host_values(_array(record.leaf_names))
-  names = None if raw is None else len(record.names())
-  flags = np.shape(_array(record.nonfinite))[-1:]
-  if names is not None and flags != (names,):
-    raise ValueError(
-      f"`{path}.last_skip.nonfinite` must hold one flag per leaf name"
-      f" ({names}), got shape {np.shape(_array(record.nonfinite))}."
-    )
+  records = {
+    "last_skip": jax.eval_shape(SkipRecord.empty, np.float32(1), []),
+    "last_nonfinite_write": jax.eval_shape(lambda: WriteRecord.empty(0)),
+  }
+  for field, empty in records.items():
+    record = getattr(state, field)
+    if not isinstance(record, type(empty)):
+      raise TypeError(
+        f"`{path}.{field}` must be a {type(empty).__name__}, got"
+        f" {_validation.describe(record)}."
+      )
+    for name, want in vars(empty).items():
+      where = f"`{path}.{field}.{name}`"
+      _check(where, getattr(record, name), want.dtype, shape, 0, np.inf)
+  raw = _validation.host_values(_array(state.last_skip.leaf_names))
+  names = None if raw is None else len(state.last_skip.names())
+  for field in records:
+    flags = np.shape(_array(getattr(state, field).nonfinite))
+    if names is not None and flags[-1:] != (names,):
+      raise ValueError(
+        f"`{path}.{field}.nonfinite` must hold one flag per leaf name"
+        f" ({names}), got shape {flags}."
+      )
 
 
 def _walk(tree: Any, root: str) -> int:

@@ -224,9 +224,18 @@ class LossScale(abc.ABC):
     return self.unscale(scaled_grads)
 
 
-def leaf_flags(loss_scale: LossScale, scaled_grads: Any) -> jax.Array:
-  """Per leaf of `scaled_grads`, whether it is finite once unscaled; local."""
+def leaf_flags(
+  loss_scale: LossScale, scaled_grads: Any, as_is: Any = None
+) -> jax.Array:
+  """Per leaf of `scaled_grads`, whether it is finite once unscaled; local.
+
+  `as_is`, a pytree of bools over `scaled_grads`: the leaves that were never
+  scaled, checked as they are.
+  """
   checked = loss_scale._check_reads(scaled_grads)
+  if as_is is not None:
+    pick = lambda a, c, g: g if a else c  # noqa: E731
+    checked = jax.tree.map(pick, as_is, checked, scaled_grads)
   return _numerics.finite_flags(jax.tree.leaves(checked))
 
 

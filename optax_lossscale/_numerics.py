@@ -113,9 +113,17 @@ def finite_flags(leaves: Sequence[Any]) -> jax.Array:
     return jnp.ones((0,), jnp.bool_)
   # Concatenated, not stacked: under `vmap` over a member axis that an
   # Explicit mesh axis shards, `jnp.stack` refuses batched flags beside an
-  # unbatched constant.
+  # unbatched constant. Put back in order by static slices, not a gather:
+  # its index, a constant, fails `vmap` of a `cond` branch on such a mesh.
   flags = jnp.concatenate(pieces)
-  return flags if order == sorted(order) else flags[np.argsort(order)]
+  position = np.argsort(order)
+  starts = [
+    i for i in range(len(order)) if not i or position[i] != position[i - 1] + 1
+  ]
+  runs = zip(starts, [*starts[1:], len(order)], strict=True)
+  return jnp.concatenate(
+    [flags[position[a] : position[a] + b - a] for a, b in runs]
+  )
 
 
 def agree(flags: jax.Array, axis_name: AxisName) -> jax.Array:

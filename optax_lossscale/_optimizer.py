@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -16,6 +17,7 @@ from optax_lossscale._loss_scale import LossScale, leaf_flags
 from optax_lossscale._states import (
   LossScaleOptimizerState,
   SkipRecord,
+  WriteRecord,
   check_dtypes,
   find_states,
 )
@@ -25,6 +27,61 @@ __all__ = ["LossScaleOptimizer"]
 
 # A branch of the step's `cond`: (params, inner_state) -> (out, inner_state).
 _Branch = Callable[[Any, Any], tuple[Any, Any]]
+# flax's `fp8_ops.OVERWRITE_WITH_GRADIENT`: FP8 scales and amax histories,
+# whose "gradients" are their new values.
+_OVERWRITE = "_overwrite_with_gradient"
+Overwrite = Callable[[tuple[Any, ...]], bool] | Any
+
+
+def _in_overwrite_collection(path: tuple[Any, ...]) -> bool:
+  keys = (getattr(k, "key", getattr(k, "name", None)) for k in path)
+  return _OVERWRITE in keys
+
+
+def overwrite_mask(call: str, overwrite: Overwrite, tree: Any) -> Any:
+  """Per leaf of `tree`, whether the gradient overwrites it: bools."""
+  if overwrite is None or callable(overwrite):
+    rule = overwrite or _in_overwrite_collection
+    mask = jax.tree_util.tree_map_with_path(lambda p, _: rule(p), tree)
+  else:
+    try:  # a pytree of bools, with the parameters' structure or a prefix
+      mask = jax.tree.map(
+        lambda m, x: jax.tree.map(lambda _: m, x), overwrite, tree
+      )
+    except ValueError as e:
+      raise ValueError(
+        f"`{call}`: `overwrite_with_gradient` must be a function of the path"
+        f" or a pytree of bools shaped like the parameters: {e}"
+      ) from None
+  for flag in jax.tree.leaves(mask):
+    if not isinstance(flag, bool):
+      raise TypeError(
+        f"`{call}`: `overwrite_with_gradient` must give a bool per leaf, got"
+        f" {_validation.describe(flag)}."
+      )
+  return mask
+
+
+def _masked(mask: Any, tree: Any) -> Any:
+  """`tree` with an `optax.MaskedNode` at each overwritten leaf."""
+  return jax.tree.map(lambda m, x: optax.MaskedNode() if m else x, mask, tree)
+
+
+_FLOAT16 = (
+  "LossScaleOptimizer.init: float16 parameters with an inner state in"
+  " float16. Optax's `eps` (1e-8 in Adam, AdaBelief, Yogi, scale_by_rms) is"
+  " 0 in float16, so a zero gradient entry makes a NaN update from finite"
+  " gradients, and its second moments overflow. Keep the parameters in"
+  " float32 and cast them to float16 in the forward pass; or keep the"
+  " optimizer state in float32. `SkipMonitor` raises on a step that writes"
+  " a non-finite value."
+)
+
+
+def _float16(tree: Any) -> bool:
+  return any(
+    getattr(x, "dtype", None) == jnp.float16 for x in jax.tree.leaves(tree)
+  )
 
 
 class Checks(NamedTuple):
@@ -89,8 +146,13 @@ def check(
   grads: Any,
   value: Any,
   axis_name: _numerics.AxisName,
+  overwritten: Any = None,
 ) -> Checks:
-  """The step's check: one read of the gradients, one collective."""
+  """The step's check: one read of the gradients, one collective.
+
+  `overwritten` (per leaf, bools): the gradients that are new values, not
+  scaled.
+  """
   if value is not None and not jnp.issubdtype(
     jnp.result_type(value), jnp.inexact
   ):
@@ -98,7 +160,7 @@ def check(
       f"`{call}(..., value=...)` must be the loss, a floating-point array,"
       f" got {_validation.describe(value)}."
     )
-  flags = leaf_flags(loss_scale, grads)
+  flags = leaf_flags(loss_scale, grads, overwritten)
   local = [flags]
   if value is not None:
     local.append(jnp.all(jnp.isfinite(value)).reshape(1))
@@ -160,6 +222,25 @@ def _skip_record(
   )
 
 
+def _write_record(
+  state: LossScaleOptimizerState, params: Any, axis_name: Any
+) -> WriteRecord:
+  """The write record of a skipped step, given `params`.
+
+  Non-finite values there were written by an applied step before it. A
+  diagnostic of skipped steps only: checking what every applied step writes
+  reads the parameters and state again (1.6x the fused step, XLA:CPU). The
+  inner state is not read: on XLA:CPU, each leaf checked needs a byte per
+  element of temporary memory, which every step allocates.
+  """
+  last, leaves = state.last_nonfinite_write, jax.tree.leaves(params)
+  if len(leaves) != last.nonfinite.shape[-1]:  # `update` without parameters
+    return last
+  finite = _numerics.agree(_numerics.finite_flags(leaves), axis_name)
+  new = WriteRecord(optax.safe_increment(state.steps), ~finite)
+  return tree_where(jnp.all(finite), last, new)
+
+
 def _next_state(
   state: LossScaleOptimizerState,
   loss_scale: LossScale,
@@ -179,6 +260,7 @@ def _next_state(
     ).astype(jnp.int32),
     nonfinite_loss_steps=_count(state.nonfinite_loss_steps, loss_failed),
     retries=state.retries + retries,
+    steps=optax.safe_increment(state.steps),
   )
 
 
@@ -207,6 +289,17 @@ class LossScaleOptimizer:
   micro-batch is checked before it is accumulated, so a non-finite one is
   dropped alone; the loss scale moves once per window.
 
+  An applied step can write non-finite parameters from finite gradients (a
+  float16 Adam state divides 0 by 0); the next steps then skip. A skipped
+  step checks the parameters it is given and records such values in
+  `last_nonfinite_write`; `SkipMonitor` raises on it.
+
+  FP8 scales and amax histories (flax's `_overwrite_with_gradient`
+  collection) get new values, not gradients, from the backward pass. Such
+  leaves are checked but not unscaled, have no `inner` state, take their
+  "gradient" as their value on an applied step and are kept on a skipped
+  one.
+
   Args:
     inner: the optimizer to wrap, any Optax transformation (or an
       `optax.MultiSteps`). Extra arguments of `update` (`value=` included)
@@ -216,6 +309,10 @@ class LossScaleOptimizer:
       apply them (`FixedLossScale`, `NoOpLossScale`). False gives
       TensorFlow's exact behaviour.
     axis_name: a mapped axis whose replicas must agree (see `all_finite`).
+    overwrite_with_gradient: which leaves the gradient overwrites: a
+      function of a leaf's key path that returns a bool, or a pytree of
+      bools (the parameters' structure, or a prefix of it). By default, the
+      leaves under a key `"_overwrite_with_gradient"`.
 
   Raises:
     TypeError: if an argument has the wrong type.
@@ -242,6 +339,7 @@ class LossScaleOptimizer:
     *,
     skip_nonfinite: bool = True,
     axis_name: _numerics.AxisName = None,
+    overwrite_with_gradient: Overwrite = None,
   ) -> None:
     call = "LossScaleOptimizer"
     if isinstance(inner, optax.MultiSteps):
@@ -258,6 +356,8 @@ class LossScaleOptimizer:
       call, "skip_nonfinite", skip_nonfinite
     )
     self.axis_name = axis_name
+    self.overwrite_with_gradient = overwrite_with_gradient
+    self._warned_float16 = False
     # What every state's own leaves are (outside any trace: under
     # `shard_map`, the loss scale's arrays could not be closed over).
     self._dtypes = jax.eval_shape(lambda: self._fresh(None, []))
@@ -274,13 +374,19 @@ class LossScaleOptimizer:
     """
     paths = jax.tree_util.tree_flatten_with_path(params)[0]
     names = [jax.tree_util.keystr(path) or "<root>" for path, _ in paths]
-    return self._fresh(self.inner.init(params), names)
+    trained = _masked(self._mask("LossScaleOptimizer.init", params), params)
+    inner_state = self.inner.init(trained)
+    if not self._warned_float16 and _float16(trained) and _float16(inner_state):
+      self._warned_float16 = True
+      warnings.warn(_FLOAT16, stacklevel=2)
+    return self._fresh(inner_state, names)
 
   def _fresh(
     self, inner_state: Any, names: list[str]
   ) -> LossScaleOptimizerState:
     # The loss scale, the inner state, `should_apply`, four counters (fresh
-    # arrays each: a donated state shares no buffer) and the skip record.
+    # arrays each: a donated state shares no buffer), the skip record, the
+    # step count and the write record.
     own = [
       jax.tree.map(jnp.copy, self.loss_scale),
       inner_state,
@@ -288,7 +394,29 @@ class LossScaleOptimizer:
     ]
     own += [jnp.zeros((), jnp.int32) for _ in range(4)]
     own.append(SkipRecord.empty(self.loss_scale(), names))
+    own.append(jnp.zeros((), jnp.int32))
+    own.append(WriteRecord.empty(len(names)))
     return LossScaleOptimizerState._make(own)
+
+  def _mask(self, call: str, tree: Any) -> Any:
+    return overwrite_mask(call, self.overwrite_with_gradient, tree)
+
+  def _inner_update(
+    self,
+    mask: Any,
+    loss_scale: LossScale,
+    grads: Any,
+    inner_state: Any,
+    params: Any,
+    extra_args: dict[str, Any],
+  ) -> tuple[Any, Any]:
+    """`inner`'s update of the unscaled gradients of the trained leaves.
+
+    The updates hold an `optax.MaskedNode` at each overwritten leaf.
+    """
+    trained = None if params is None else _masked(mask, params)
+    unscaled = loss_scale.unscale(_masked(mask, grads))
+    return self.inner.update(unscaled, inner_state, trained, **extra_args)
 
   def update(
     self,
@@ -323,10 +451,21 @@ class LossScaleOptimizer:
 
     call = "LossScaleOptimizer.update"
     self._check_inputs(call, grads, state, params)
+    mask = self._mask(call, grads)
+    if params is None and any(jax.tree.leaves(mask)):
+      raise ValueError(
+        f"`{call}`: leaves overwritten with their gradient need `params`:"
+        " their update is the new value minus the old."
+      )
 
     def apply(params: Any, inner_state: Any) -> Any:
-      unscaled = state.loss_scale.unscale(grads)
-      return self.inner.update(unscaled, inner_state, params, **extra_args)
+      updates, inner_state = self._inner_update(
+        mask, state.loss_scale, grads, inner_state, params, extra_args
+      )
+      if params is None:  # then no leaf is overwritten (checked above)
+        return updates, inner_state
+      new = lambda m, u, g, p: g.astype(p.dtype) - p if m else u  # noqa: E731
+      return jax.tree.map(new, mask, updates, grads, params), inner_state
 
     # `inner` may return updates of another dtype or structure than `grads`.
     updates_like = jax.eval_shape(apply, params, state.inner_state)[0]
@@ -373,11 +512,15 @@ class LossScaleOptimizer:
   ) -> tuple[_Branch, _Branch]:
     """The fused step's branches: the parameters change inside the `cond`."""
 
+    mask = self._mask("LossScaleOptimizer.apply_gradients", grads)
+
     def apply(params: Any, inner_state: Any) -> tuple[Any, Any]:
-      updates, inner_state = self.inner.update(
-        loss_scale.unscale(grads), inner_state, params, **extra_args
+      updates, inner_state = self._inner_update(
+        mask, loss_scale, grads, inner_state, params, extra_args
       )
-      return optax.apply_updates(params, updates), inner_state
+      trained = optax.apply_updates(_masked(mask, params), updates)
+      new = lambda m, t, g, p: g.astype(p.dtype) if m else t  # noqa: E731
+      return jax.tree.map(new, mask, trained, grads, params), inner_state
 
     return apply, lambda params, inner_state: (params, inner_state)
 
@@ -483,7 +626,9 @@ class LossScaleOptimizer:
 
     value, (params, state) = _retry.retry(
       lambda ls, operand: attempt(ls, operand[0]),
-      lambda ls, value, g: check(call, ls, g, loss_of(value), self.axis_name),
+      lambda ls, value, g: check(
+        call, ls, g, loss_of(value), self.axis_name, self._mask(call, g)
+      ),
       finish,
       state.loss_scale,
       max_retries,
@@ -517,7 +662,8 @@ class LossScaleOptimizer:
     """
     if attempt is None:
       value = extra_args.get("value")
-      checks = check(call, state.loss_scale, grads, value, self.axis_name)
+      mask = self._mask(call, grads)
+      checks = check(call, state.loss_scale, grads, value, self.axis_name, mask)
       retries: jax.Array | int = 0
       tried, held = state.loss_scale, None
     else:
@@ -526,26 +672,40 @@ class LossScaleOptimizer:
     loss_scale, should_apply = self._decide(state, tried, checks, retries)
     apply, skip = branches
 
-    def apply_(params: Any, inner_state: Any, last_skip: Any) -> Any:
-      return *apply(params, inner_state), last_skip
+    def apply_(params: Any, inner_state: Any, records: Any) -> Any:
+      return *apply(params, inner_state), records
 
-    def skip_(params: Any, inner_state: Any, last_skip: Any) -> Any:
-      # Written on skipped steps only: no second conditional per step.
-      new = _skip_record(state, tried, loss_scale, checks)
-      new = new if held is None else tree_where(held, last_skip, new)
+    def skip_(params: Any, inner_state: Any, records: Any) -> Any:
+      # The records are written on skipped steps only: no second conditional.
+      new = (
+        _skip_record(state, tried, loss_scale, checks),
+        _write_record(state, params, self.axis_name),
+      )
+      new = new if held is None else tree_where(held, records, new)
       return *skip(params, inner_state), new
 
     applies = should_apply if held is None else should_apply & ~held
-    operands = (params, state.inner_state, state.last_skip)
-    out, inner, last_skip = _cond.cond(
-      applies, apply_, skip_, *operands, sharded_like=grads
+    # `skip_` stays the false branch: XLA's conditional's branch 0, which
+    # passes donated buffers through uncopied (jax#39449; the other order
+    # copies each: tests/test_accelerator_ready.py).
+    records = (state.last_skip, state.last_nonfinite_write)
+    out, inner, (last_skip, wrote) = _cond.cond(
+      applies,
+      apply_,
+      skip_,
+      params,
+      state.inner_state,
+      records,
+      sharded_like=grads,
     )
     # A micro-batch that leaves an accumulation window open holds the scale
     # (unless it was recomputed: that is an overflow).
     hold = should_apply & _window_open(inner) & (retries == 0)
     loss_scale = tree_where(hold, state.loss_scale, loss_scale)
     new = _next_state(state, loss_scale, should_apply, checks, retries)
-    new = new._replace(inner_state=inner, last_skip=last_skip)
+    new = new._replace(
+      inner_state=inner, last_skip=last_skip, last_nonfinite_write=wrote
+    )
     if held is not None:  # a held attempt keeps the scale and the counters
       new = tree_where(held, state._replace(inner_state=inner), new)
     return out, new

@@ -91,6 +91,8 @@ class _Members(NamedTuple):
   loss_scale: np.ndarray
   record: dict[str, np.ndarray]
   names: tuple[str, ...]
+  write_step: np.ndarray
+  written: list[tuple[str, ...]]
 
 
 def _read(call: str, opt_state: Any) -> _Members:
@@ -106,13 +108,20 @@ def _read(call: str, opt_state: Any) -> _Members:
 
   record = state.last_skip
   fields = {k: v for k, v in vars(record).items() if k != "leaf_names"}
+  names = record.names()
+  flags = rows(state.last_nonfinite_write.nonfinite, per_leaf=True)
   return _Members(
     batched=skipped.ndim > 0,
     skipped=skipped.reshape(-1),
     consecutive=rows(state.consecutive_skipped_steps),
     loss_scale=rows(state.loss_scale()),
     record={k: rows(v, k == "nonfinite") for k, v in fields.items()},
-    names=record.names(),
+    names=names,
+    write_step=rows(state.last_nonfinite_write.step),
+    written=[
+      tuple(n for n, bad in zip(names, row, strict=True) if bad)
+      for row in flags
+    ],
   )
 
 
@@ -149,6 +158,24 @@ _FIXES = {
   " overflows at any scale); or lower min_loss_scale; or compute the layers"
   " named above in float32.",
 }
+
+
+def _write_message(members: _Members, m: int) -> str:
+  """Why member `m`'s step wrote non-finite values, and the fix."""
+  member = f" (member {m})" if members.batched else ""
+  return (
+    f"LossScaleOptimizer{member}: step {members.write_step[m]} was skipped,"
+    " and the parameters it was given hold non-finite values in"
+    f" {', '.join(members.written[m])}."
+    " Gradients that were not finite never reach them: an applied update"
+    " before that step wrote them from finite gradients (or they were given"
+    " to `init`). Likely causes: float16 parameters"
+    " or optimizer state (Optax's `eps`, 1e-8 in Adam, is 0 in float16, so a"
+    " zero gradient entry gives 0/0), then a learning rate so large that the"
+    " update overflows. Fix: keep the parameters in float32 and cast them to"
+    " float16 in the forward pass, or keep the optimizer state in float32;"
+    " then restart from a checkpoint taken before that step."
+  )
 
 
 def _stop_message(members: _Members, m: int, limit: int) -> str:
@@ -287,6 +314,7 @@ class SkipMonitor:
     self.max_consecutive_skips = max_consecutive_skips
     self.log = log
     self._seen: np.ndarray | None = None
+    self._seen_write: np.ndarray | None = None
 
   def __call__(self, opt_state: Any) -> SkipReport | None:
     """Reads the state; logs and returns the new skips, or raises.
@@ -316,6 +344,14 @@ class SkipMonitor:
     if self.log is not None:
       for report in reports:
         self.log(report)
+    seen_write, self._seen_write = self._seen_write, members.write_step.copy()
+    if seen_write is None or seen_write.shape != members.write_step.shape:
+      seen_write = np.zeros_like(members.write_step)
+    wrote = np.flatnonzero(
+      (members.write_step != seen_write) & (members.write_step > 0)
+    )
+    if wrote.size:
+      raise FloatingPointError(_write_message(members, int(wrote[0])))
     limit = self.max_consecutive_skips
     worst = int(np.argmax(members.consecutive))
     if limit is not None and members.consecutive[worst] >= limit:

@@ -14,7 +14,12 @@ import optax
 from optax_lossscale import _validation
 from optax_lossscale._loss_scale import LossScale
 
-__all__ = ["LossScaleOptimizerState", "SkipRecord", "UnscaleGradientsState"]
+__all__ = [
+  "LossScaleOptimizerState",
+  "SkipRecord",
+  "UnscaleGradientsState",
+  "WriteRecord",
+]
 
 
 class UnscaleGradientsState(NamedTuple):
@@ -104,6 +109,34 @@ class SkipRecord:
     return tuple(row.tobytes().decode().split("\n")[:-1])
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class WriteRecord:
+  """The last skipped step that was given non-finite parameters.
+
+  Finite gradients can still make a non-finite update: float16 parameters
+  with Adam, whose `eps=1e-8` is 0 in float16, divide 0 by 0. The next
+  steps then skip (their loss or gradients are not finite), and each
+  skipped step checks the parameters it was given. Written inside the
+  compiled step, in `LossScaleOptimizerState.last_nonfinite_write`;
+  `SkipMonitor` raises when it sees a new one.
+
+  Attributes:
+    step: that skipped step (`LossScaleOptimizerState.steps` after it), or
+      0 if none (int32). An applied step before it wrote the values.
+    nonfinite: per leaf of the parameters, whether it held a non-finite
+      value (bool, one more axis).
+  """
+
+  step: jax.Array
+  nonfinite: jax.Array
+
+  @classmethod
+  def empty(cls, leaves: int) -> WriteRecord:
+    """The record of no such step, for parameters of `leaves` leaves."""
+    return cls(jnp.zeros((), jnp.int32), jnp.zeros((leaves,), jnp.bool_))
+
+
 class LossScaleOptimizerState(NamedTuple):
   """The state of `LossScaleOptimizer`.
 
@@ -124,6 +157,9 @@ class LossScaleOptimizerState(NamedTuple):
     retries: how many times `minimize` recomputed a batch at a lower scale
       (int32): the forward and backward passes spent on overflow.
     last_skip: the last skipped step, a `SkipRecord`.
+    steps: how many steps were taken, applied or skipped (int32).
+    last_nonfinite_write: the last skipped step that was given non-finite
+      parameters, a `WriteRecord`.
 
   A 0.1.0 checkpoint (the first five fields, and a `DynamicLossScale` of two
   leaves) restores as `docs/guides/frameworks.md` shows.
@@ -149,6 +185,8 @@ class LossScaleOptimizerState(NamedTuple):
   nonfinite_loss_steps: jax.Array
   retries: jax.Array
   last_skip: SkipRecord
+  steps: jax.Array
+  last_nonfinite_write: WriteRecord
 
 
 def find_states(opt_state: Any, types: tuple[type, ...]) -> list[Any]:

@@ -172,7 +172,7 @@ def test_check_state_refuses_an_invalid_loss_scale(field, value, message):
 @pytest.mark.parametrize(
   "field",
   ["skipped_steps", "consecutive_skipped_steps", "nonfinite_loss_steps"]
-  + ["retries"],
+  + ["retries", "steps"],
 )
 def test_check_state_refuses_a_negative_counter(field):
   # Each counter on its own: consecutive skips are at most the skips.
@@ -346,6 +346,25 @@ def test_check_state_refuses_nonfinite_flags_that_do_not_match_the_names():
     "`tree.last_skip.nonfinite` must hold one flag per leaf name (2), got"
     " shape (3,)."
   )
+
+
+def test_check_state_checks_the_write_record():
+  state = _state()
+  record = state.last_nonfinite_write
+  wrong = [
+    (dataclasses.replace(record, step=jnp.int32(-1)), ValueError, "step"),
+    (dataclasses.replace(record, step=jnp.float32(1)), TypeError, "step"),
+    (
+      dataclasses.replace(record, nonfinite=jnp.zeros(3, bool)),
+      ValueError,
+      "2",
+    ),
+    (state.last_skip, TypeError, "WriteRecord"),
+  ]
+  for bad, error, part in wrong:
+    with pytest.raises(error, match="last_nonfinite_write") as raised:
+      ols.check_state(state._replace(last_nonfinite_write=bad))
+    assert part in str(raised.value)
 
 
 def test_check_state_refuses_stacked_flags_without_the_members_axis():

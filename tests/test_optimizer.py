@@ -12,6 +12,7 @@ import ast
 import dataclasses
 import functools
 import pathlib
+import warnings
 from typing import Any
 
 import chex
@@ -314,7 +315,9 @@ def test_donated_jit_step_keeps_dtypes_and_does_not_retrace(dtype, loss_scale):
 
   donated = jax.jit(step, donate_argnums=(1, 2))
   params = _params(dtype)
-  state = tx.init(params)
+  with warnings.catch_warnings():  # float16 momentum: `init` warns (tested)
+    warnings.simplefilter("ignore", UserWarning)
+    state = tx.init(params)
   template = jax.tree.map(
     lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, state)
   )
@@ -398,10 +401,11 @@ def test_one_cond_per_step_and_no_host_callback(entry):
   else:
     assert sum(e.primitive is lax.cond_p for e in jaxpr.eqns) == 1
     # The skip is the cond, not a select over the parameters or state.
+    shapes = {jnp.shape(x) for x in jax.tree.leaves(_params())} - {()}
     selects = [
       e.outvars[0].aval.shape
       for e in _eqns(jaxpr)
-      if e.primitive is lax.select_n_p and e.outvars[0].aval.shape != ()
+      if e.primitive is lax.select_n_p and e.outvars[0].aval.shape in shapes
     ]
     assert selects == []
   assert not any("callback" in e.primitive.name for e in _eqns(jaxpr))
@@ -471,10 +475,12 @@ def test_the_skip_record_is_written_in_the_skip_branch_only():
   jaxpr = _step_jaxpr("apply_gradients", tx, params)
   (cond,) = [e for e in jaxpr.eqns if e.primitive is lax.cond_p]
   skip, apply = (b.jaxpr for b in cond.params["branches"])
-  record = len(jax.tree.leaves(tx.init(params).last_skip))
-  # The applied branch passes the record through; the skip branch writes it.
-  assert all(v in apply.invars for v in apply.outvars[-record:])
-  assert not all(v in skip.invars for v in skip.outvars[-record:])
+  state = tx.init(params)
+  records = len(jax.tree.leaves((state.last_skip, state.last_nonfinite_write)))
+  # The applied branch passes the records through; the skip branch writes
+  # them (the write record is where it finds non-finite parameters).
+  assert all(v in apply.invars for v in apply.outvars[-records:])
+  assert not all(v in skip.invars for v in skip.outvars[-records:])
   # (`test_counters_...` checks that an applied step leaves it bit for bit.)
 
 
@@ -852,7 +858,8 @@ def _close_in_ulps(actual, expected):
 
 def test_vmap_members_equal_running_each_member_alone():
   tx, params = _ensemble()
-  state = jax.vmap(tx.init)(params)
+  with pytest.warns(UserWarning, match="float16 parameters"):  # once only
+    state = jax.vmap(tx.init)(params)
   alone = [
     (_member(params, i), tx.init(_member(params, i))) for i in range(MEMBERS)
   ]
@@ -1066,3 +1073,35 @@ def test_a_none_gradient_needs_a_none_parameter():
   params = {"w": jnp.ones(2), "f": jnp.ones(1)}
   with pytest.raises(ValueError, match=r"\['f'\] is None, its parameter not"):
     tx.apply_gradients({"w": jnp.ones(2), "f": None}, tx.init(params), params)
+
+
+def test_init_warns_once_for_float16_parameters_with_a_float16_state():
+  half = {"w": jnp.ones(3, jnp.float16)}
+  tx = ols.LossScaleOptimizer(optax.adam(1e-3), ols.DynamicLossScale())
+  with pytest.warns(UserWarning, match="float16 parameters") as caught:
+    tx.init(half)
+  assert "float32" in str(caught[0].message)
+  tx.init(half)  # once per optimizer: filterwarnings=error would raise
+  quiet = [
+    (optax.adam(1e-3), {"w": jnp.ones(3)}),  # float32 parameters
+    (optax.sgd(0.1), half),  # no state
+    (optax.adam(1e-3, mu_dtype=jnp.float32), {"w": jnp.ones(3, jnp.bfloat16)}),
+  ]
+  for inner, params in quiet:
+    ols.LossScaleOptimizer(inner, ols.DynamicLossScale()).init(params)
+
+
+def test_only_skipped_steps_read_the_parameters_for_nonfinite_values():
+  # The check of what an update wrote costs applied steps nothing: the
+  # applied branch reduces nothing of the parameters' size.
+  tx = ols.LossScaleOptimizer(optax.adam(0.1), ols.DynamicLossScale())
+  params = {"w": jnp.ones((70, 70)), "b": jnp.ones(3)}
+  jaxpr = _step_jaxpr("apply_gradients", tx, params)
+  (cond,) = [e for e in jaxpr.eqns if e.primitive is lax.cond_p]
+  skip, apply = (b.jaxpr for b in cond.params["branches"])
+  reduced = [
+    [e.invars[0].aval.size for e in _eqns(branch) if e.primitive in REDUCTIONS]
+    for branch in (skip, apply)
+  ]
+  assert 70 * 70 in reduced[0]
+  assert all(size < 70 * 70 for size in reduced[1])

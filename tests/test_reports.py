@@ -359,3 +359,57 @@ def test_a_state_stacked_over_two_axes_reports_row_major_members():
   with pytest.raises(ols.ConsecutiveSkipsError, match=r"\(member 5\): 2"):
     monitor(state)
   assert [(r.member, r.skipped_steps) for r in logged] == [(5, 1), (5, 2)]
+
+
+def _float16_adam():
+  """The issue's case: float16 parameters and Adam, whose `eps` is 0 there."""
+  tx = ols.LossScaleOptimizer(optax.adam(1e-3), ols.DynamicLossScale(2.0**10))
+  params = {"w": jnp.ones(4, jnp.float16), "b": jnp.ones(2, jnp.float16)}
+  with pytest.warns(UserWarning, match="float16 parameters"):
+    state = tx.init(params)
+  return tx, params, state
+
+
+def _loss(params):
+  w, b = (params[k].astype(jnp.float32) for k in ("w", "b"))
+  return jnp.sum(w * jnp.arange(4.0)) + jnp.sum(b)  # w[0]'s gradient is 0
+
+
+def test_the_monitor_names_parameters_that_an_applied_update_made_nonfinite():
+  tx, params, state = _float16_adam()
+  step = jax.jit(lambda p, s: tx.minimize(_loss, p, s), donate_argnums=(0, 1))
+  _, params, state = step(params, state)  # finite gradients; 0 / 0 in w[0]
+  assert bool(state.should_apply) and np.isnan(params["w"][0])
+  monitor = ols.SkipMonitor(log=None)
+  assert monitor(state) is None  # nothing is read on an applied step
+  loss, params, state = step(params, state)  # the loss is NaN: skipped
+  assert not bool(state.should_apply)
+  assert int(state.last_nonfinite_write.step) == int(state.steps) == 2
+  with pytest.raises(FloatingPointError) as raised:
+    monitor(state)
+  message = str(raised.value)
+  for part in ["step 2", "['w']", "float16", "`eps`", "float32"]:
+    assert part in message, (part, message)
+  assert "['b']" not in message
+  assert monitor(state) is None  # raised once per new record
+  with pytest.raises(FloatingPointError):
+    ols.SkipMonitor(log=None)(state)  # a fresh monitor raises too
+
+
+def test_a_skipped_step_with_finite_parameters_records_no_write():
+  state = _run(TX.init(PARAMS), [(BAD_W, None), (GOOD, NAN)])
+  assert int(state.skipped_steps) == 2 and int(state.steps) == 2
+  assert int(state.last_nonfinite_write.step) == 0
+  assert not np.asarray(state.last_nonfinite_write.nonfinite).any()
+  assert ols.SkipMonitor(log=None)(state) is not None  # a skip, no raise
+
+
+def test_the_monitor_names_the_member_whose_parameters_are_nonfinite():
+  params = {"w": jnp.array([[1.0, 2.0], [1.0, NAN]])}
+  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale())
+  state = jax.vmap(tx.init)(params)
+  grads = {"w": jnp.array([[1.0, 1.0], [1.0, NAN]])}
+  _, state = jax.jit(jax.vmap(tx.update))(grads, state, params)
+  assert np.asarray(state.last_nonfinite_write.step).tolist() == [0, 1]
+  with pytest.raises(FloatingPointError, match=r"\(member 1\).*\['w'\]"):
+    ols.SkipMonitor(log=None)(state)
