@@ -123,10 +123,9 @@ def _check_optimizer_state(state: LossScaleOptimizerState, path: str) -> None:
     for name, want in vars(empty).items():
       where = f"`{path}.{field}.{name}`"
       _check(where, getattr(record, name), want.dtype, shape, 0, np.inf)
-  raw = _validation.host_values(_array(state.last_skip.leaf_names))
-  names = None if raw is None else len(state.last_skip.names())
-  for field in records:
-    flags = np.shape(_array(getattr(state, field).nonfinite))
+    raw = _validation.host_values(_array(state.last_skip.leaf_names))
+    names = None if raw is None else len(state.last_skip.names())
+    flags = np.shape(_array(record.nonfinite))
     if names is not None and flags[-1:] != (names,):
       raise ValueError(
         f"`{path}.{field}.nonfinite` must hold one flag per leaf name"

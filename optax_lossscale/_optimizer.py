@@ -30,15 +30,13 @@ _Branch = Callable[[Any, Any], tuple[Any, Any]]
 # flax's `fp8_ops.OVERWRITE_WITH_GRADIENT`: FP8 scales and amax histories,
 # whose "gradients" are their new values.
 _OVERWRITE = "_overwrite_with_gradient"
-Overwrite = Callable[[tuple[Any, ...]], bool] | Any
 
 
 def _in_overwrite_collection(path: tuple[Any, ...]) -> bool:
-  keys = (getattr(k, "key", getattr(k, "name", None)) for k in path)
-  return _OVERWRITE in keys
+  return _OVERWRITE in (getattr(k, "key", getattr(k, "name", 0)) for k in path)
 
 
-def overwrite_mask(call: str, overwrite: Overwrite, tree: Any) -> Any:
+def overwrite_mask(call: str, overwrite: Any, tree: Any) -> Any:
   """Per leaf of `tree`, whether the gradient overwrites it: bools."""
   if overwrite is None or callable(overwrite):
     rule = overwrite or _in_overwrite_collection
@@ -50,8 +48,8 @@ def overwrite_mask(call: str, overwrite: Overwrite, tree: Any) -> Any:
       )
     except ValueError as e:
       raise ValueError(
-        f"`{call}`: `overwrite_with_gradient` must be a function of the path"
-        f" or a pytree of bools shaped like the parameters: {e}"
+        f"`{call}`: `overwrite_with_gradient` must be a function or a pytree"
+        f" of bools like the parameters: {e}"
       ) from None
   for flag in jax.tree.leaves(mask):
     if not isinstance(flag, bool):
@@ -68,20 +66,16 @@ def _masked(mask: Any, tree: Any) -> Any:
 
 
 _FLOAT16 = (
-  "LossScaleOptimizer.init: float16 parameters with an inner state in"
-  " float16. Optax's `eps` (1e-8 in Adam, AdaBelief, Yogi, scale_by_rms) is"
-  " 0 in float16, so a zero gradient entry makes a NaN update from finite"
-  " gradients, and its second moments overflow. Keep the parameters in"
-  " float32 and cast them to float16 in the forward pass; or keep the"
-  " optimizer state in float32. `SkipMonitor` raises on a step that writes"
-  " a non-finite value."
+  "LossScaleOptimizer.init: float16 parameters with a float16 inner state: an"
+  " `eps` of 1e-8 (Adam's) is 0 in float16, so a zero gradient makes a NaN"
+  " update. Keep float32 parameters, cast to float16 in the forward pass."
 )
 
 
 def _float16(tree: Any) -> bool:
-  return any(
-    getattr(x, "dtype", None) == jnp.float16 for x in jax.tree.leaves(tree)
-  )
+  return jnp.dtype(jnp.float16) in {
+    getattr(x, "dtype", None) for x in jax.tree.leaves(tree)
+  }
 
 
 class Checks(NamedTuple):
@@ -339,7 +333,7 @@ class LossScaleOptimizer:
     *,
     skip_nonfinite: bool = True,
     axis_name: _numerics.AxisName = None,
-    overwrite_with_gradient: Overwrite = None,
+    overwrite_with_gradient: Any = None,
   ) -> None:
     call = "LossScaleOptimizer"
     if isinstance(inner, optax.MultiSteps):
@@ -453,10 +447,7 @@ class LossScaleOptimizer:
     self._check_inputs(call, grads, state, params)
     mask = self._mask(call, grads)
     if params is None and any(jax.tree.leaves(mask)):
-      raise ValueError(
-        f"`{call}`: leaves overwritten with their gradient need `params`:"
-        " their update is the new value minus the old."
-      )
+      raise ValueError(f"`{call}`: overwritten leaves need the `params`.")
 
     def apply(params: Any, inner_state: Any) -> Any:
       updates, inner_state = self._inner_update(
@@ -689,14 +680,9 @@ class LossScaleOptimizer:
     # passes donated buffers through uncopied (jax#39449; the other order
     # copies each: tests/test_accelerator_ready.py).
     records = (state.last_skip, state.last_nonfinite_write)
+    operands = (params, state.inner_state, records)
     out, inner, (last_skip, wrote) = _cond.cond(
-      applies,
-      apply_,
-      skip_,
-      params,
-      state.inner_state,
-      records,
-      sharded_like=grads,
+      applies, apply_, skip_, *operands, sharded_like=grads
     )
     # A micro-batch that leaves an accumulation window open holds the scale
     # (unless it was recomputed: that is an overflow).

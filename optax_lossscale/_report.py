@@ -92,7 +92,7 @@ class _Members(NamedTuple):
   record: dict[str, np.ndarray]
   names: tuple[str, ...]
   write_step: np.ndarray
-  written: list[tuple[str, ...]]
+  written: np.ndarray
 
 
 def _read(call: str, opt_state: Any) -> _Members:
@@ -108,20 +108,15 @@ def _read(call: str, opt_state: Any) -> _Members:
 
   record = state.last_skip
   fields = {k: v for k, v in vars(record).items() if k != "leaf_names"}
-  names = record.names()
-  flags = rows(state.last_nonfinite_write.nonfinite, per_leaf=True)
   return _Members(
     batched=skipped.ndim > 0,
     skipped=skipped.reshape(-1),
     consecutive=rows(state.consecutive_skipped_steps),
     loss_scale=rows(state.loss_scale()),
     record={k: rows(v, k == "nonfinite") for k, v in fields.items()},
-    names=names,
+    names=record.names(),
     write_step=rows(state.last_nonfinite_write.step),
-    written=[
-      tuple(n for n, bad in zip(names, row, strict=True) if bad)
-      for row in flags
-    ],
+    written=rows(state.last_nonfinite_write.nonfinite, per_leaf=True),
   )
 
 
@@ -163,18 +158,17 @@ _FIXES = {
 def _write_message(members: _Members, m: int) -> str:
   """Why member `m`'s step wrote non-finite values, and the fix."""
   member = f" (member {m})" if members.batched else ""
+  bad = (
+    n for n, no in zip(members.names, members.written[m], strict=True) if no
+  )
   return (
-    f"LossScaleOptimizer{member}: step {members.write_step[m]} was skipped,"
-    " and the parameters it was given hold non-finite values in"
-    f" {', '.join(members.written[m])}."
-    " Gradients that were not finite never reach them: an applied update"
-    " before that step wrote them from finite gradients (or they were given"
-    " to `init`). Likely causes: float16 parameters"
-    " or optimizer state (Optax's `eps`, 1e-8 in Adam, is 0 in float16, so a"
-    " zero gradient entry gives 0/0), then a learning rate so large that the"
-    " update overflows. Fix: keep the parameters in float32 and cast them to"
-    " float16 in the forward pass, or keep the optimizer state in float32;"
-    " then restart from a checkpoint taken before that step."
+    f"LossScaleOptimizer{member}: step {members.write_step[m]} was skipped and"
+    f" given non-finite parameters: {', '.join(bad)}. An"
+    " applied update wrote them from finite gradients: float16 parameters or"
+    " optimizer state (Optax's `eps`, 1e-8 in Adam, is 0 in float16), or a"
+    " learning rate too large. Keep the parameters and optimizer state in"
+    " float32 (cast to float16 in the forward pass), and restart from a"
+    " checkpoint taken before that step."
   )
 
 
@@ -249,6 +243,12 @@ def skip_reports(opt_state: Any) -> list[SkipReport]:
 def _log_warning(report: SkipReport) -> None:
   """A warning of the `optax_lossscale` logger: `SkipMonitor`'s default."""
   _LOGGER.warning("%s", report)
+
+
+def _changed(seen: np.ndarray | None, now: np.ndarray) -> np.ndarray:
+  """The members whose count is not the one `seen` (from 0, at first)."""
+  same = seen is not None and seen.shape == now.shape
+  return np.flatnonzero(now != (seen if same else 0))
 
 
 class SkipMonitor:
@@ -334,24 +334,17 @@ class SkipMonitor:
         several.
     """
     members = _read("SkipMonitor", opt_state)
-    seen = self._seen
-    if seen is None or seen.shape != members.skipped.shape:
-      seen = np.zeros_like(members.skipped)
     # A count that went down (a restored checkpoint) is news too.
-    new = [int(m) for m in np.flatnonzero(members.skipped != seen)]
+    new = [int(m) for m in _changed(self._seen, members.skipped)]
     self._seen = members.skipped.copy()
     reports = [r for r in (_report(members, m) for m in new) if r is not None]
     if self.log is not None:
       for report in reports:
         self.log(report)
-    seen_write, self._seen_write = self._seen_write, members.write_step.copy()
-    if seen_write is None or seen_write.shape != members.write_step.shape:
-      seen_write = np.zeros_like(members.write_step)
-    wrote = np.flatnonzero(
-      (members.write_step != seen_write) & (members.write_step > 0)
-    )
-    if wrote.size:
-      raise FloatingPointError(_write_message(members, int(wrote[0])))
+    wrote = _changed(self._seen_write, members.write_step)
+    self._seen_write = members.write_step.copy()
+    for m in wrote[members.write_step[wrote] > 0][:1]:
+      raise FloatingPointError(_write_message(members, int(m)))
     limit = self.max_consecutive_skips
     worst = int(np.argmax(members.consecutive))
     if limit is not None and members.consecutive[worst] >= limit:
