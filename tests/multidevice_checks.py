@@ -238,6 +238,15 @@ def check_shard_map():
     assert bool(state.should_apply) == applied
     assert float(state.loss_scale()) == 2.0**9
     np.testing.assert_allclose(params["w"], w, rtol=1e-6)
+  # A skipped step given a NaN in one replica's block of the parameters: the
+  # replicas agree on the record of it.
+  host = np.asarray(params["w"]).copy()
+  host[3, 0] = np.nan
+  grads = jax.device_put(_replica_grads(5), sharded)
+  _, state = step(jax.device_put({"w": host}, sharded), state, grads)
+  assert not bool(state.should_apply)
+  assert int(state.last_nonfinite_write.step) == 3
+  assert np.asarray(state.last_nonfinite_write.nonfinite).tolist() == [True]
 
 
 def _aval(x):
