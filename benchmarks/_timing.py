@@ -4,26 +4,34 @@ Every script measures its configurations in turns in one process and reports
 ratios; these are the pieces they share: a timed first compile of a donated
 step, its temporary memory, timed steps whose outputs are fed back, and the
 header every results file has under its title: the command that wrote it,
-the machine, the versions and the date.
+the machine, the versions and the date; and the package at an earlier
+commit, importable beside this checkout's, for "now against then" rows.
 """
 
 from __future__ import annotations
 
 import datetime
+import importlib
 import importlib.metadata
+import io
 import math
 import os
 import pathlib
 import platform
 import shlex
+import subprocess
 import sys
+import tarfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+# The name the package at an earlier commit is imported under.
+BASELINE_PACKAGE = "optax_lossscale_baseline"
 
 
 def compile_step(
@@ -179,7 +187,73 @@ def header(command: str | None = None, packages: Sequence[str] = ()) -> str:
   return "\n".join(f"- {key}: {value}" for key, value in env.items())
 
 
+def ratio_range(seconds: Sequence[float], base: Sequence[float]) -> str:
+  """The median and range of the rounds' ratios of `seconds` to `base`.
+
+  Args:
+    seconds: one time per round.
+    base: the baseline's time in the same rounds.
+
+  Returns:
+    A table cell, e.g. `1.02x (0.99-1.05)`.
+  """
+  ratios = np.asarray(seconds) / np.asarray(base)
+  low, median, high = np.min(ratios), np.median(ratios), np.max(ratios)
+  return f"{median:.2f}x ({low:.2f}-{high:.2f})"
+
+
 def ratio(a: float, b: float) -> str:
   """`a / b` as a table cell (`-` when it is not a number)."""
   r = a / b if b else float("nan")
   return f"{r:.2f}x" if math.isfinite(r) else "-"
+
+
+def extract_baseline(rev: str, root: str) -> bool:
+  """Writes the package at commit `rev` to `root`, renamed; False if it can't.
+
+  The copy is `optax_lossscale_baseline` (its own imports renamed too),
+  importable beside this checkout's package once `root` is on the path.
+  """
+  try:
+    tar = subprocess.run(
+      ["git", "-C", str(ROOT), "archive", rev, "optax_lossscale"],
+      capture_output=True,
+      check=True,
+    ).stdout
+  except (OSError, subprocess.CalledProcessError) as e:
+    print(f"commit {rev} not read ({e}): its rows are left out", flush=True)
+    return False
+  # Our own repository's files; the filter where this Python has it.
+  safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+  with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
+    archive.extractall(root, **safe)
+  package = os.path.join(root, BASELINE_PACKAGE)
+  os.rename(os.path.join(root, "optax_lossscale"), package)
+  for folder, _, files in os.walk(package):
+    for name in files:
+      if name.endswith(".py"):
+        path = os.path.join(folder, name)
+        with open(path) as f:
+          text = f.read().replace("optax_lossscale", BASELINE_PACKAGE)
+        with open(path, "w") as f:
+          f.write(text)
+  return True
+
+
+def import_baseline(root: str | None) -> Any | None:
+  """The package `extract_baseline` wrote to `root`; None if it won't serve.
+
+  It serves if it has `LossScaleOptimizer`, or the free functions
+  `loss_scale_optimizer` and `apply_gradients` that came before it.
+  """
+  if root is None:
+    return None
+  sys.path.insert(0, root)
+  try:
+    baseline = importlib.import_module(BASELINE_PACKAGE)
+    if not hasattr(baseline, "LossScaleOptimizer"):
+      baseline.loss_scale_optimizer, baseline.apply_gradients  # noqa: B018
+  except (ImportError, AttributeError) as e:
+    print(f"the baseline does not serve ({e!r}): left out", flush=True)
+    return None
+  return baseline

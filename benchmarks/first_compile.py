@@ -11,8 +11,9 @@ Two tables, written to benchmarks/COMPILE.md:
   state (what a loss-scaled step adds before its check and record), the
   fused step at commit `REV` (default `7f7800e`, the last fused step
   before `LossScaleOptimizer`, `apply_gradients(loss_scale_optimizer(...))`;
-  read with `git archive`, and left out where git, the commit or its import
-  fails; `--baseline ""` leaves it out), and this checkout's fused step
+  `LossScaleOptimizer.apply_gradients` at a commit that has it; read with
+  `git archive`, and left out where git, the commit or its import fails;
+  `--baseline ""` leaves it out), and this checkout's fused step
   (`LossScaleOptimizer.apply_gradients`). The
   median of `--compiles` fresh compiles (a learning rate apart, so that none
   is served from JAX's caches), the configurations in turns in one process,
@@ -33,13 +34,10 @@ Two tables, written to benchmarks/COMPILE.md:
 from __future__ import annotations
 
 import argparse
-import importlib
-import io
 import os
 import re
 import subprocess
 import sys
-import tarfile
 import tempfile
 from collections import Counter
 from collections.abc import Callable
@@ -53,7 +51,6 @@ import optax
 import step_overhead
 
 BASELINE = "7f7800e"
-BASELINE_PACKAGE = "optax_lossscale_baseline"
 TOP_PASSES = 6
 
 Config = Callable[[float], tuple[Any, Any]]
@@ -91,68 +88,6 @@ def _adam_in_one_cond(lr: float, unscale: bool = False) -> tuple[Any, Any]:
   return init, step
 
 
-def extract_baseline(rev: str, root: str) -> bool:
-  """Writes the package at commit `rev` to `root`, renamed; False if it can't.
-
-  The copy is `optax_lossscale_baseline`, importable beside this checkout's
-  package once `root` is on the path.
-  """
-  try:
-    tar = subprocess.run(
-      ["git", "-C", str(_timing.ROOT), "archive", rev, "optax_lossscale"],
-      capture_output=True,
-      check=True,
-    ).stdout
-  except (OSError, subprocess.CalledProcessError) as e:
-    print(f"commit {rev} not read ({e}): its column is left out", flush=True)
-    return False
-  # Our own repository's files; the filter where this Python has it.
-  safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
-  with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
-    archive.extractall(root, **safe)
-  package = os.path.join(root, BASELINE_PACKAGE)
-  os.rename(os.path.join(root, "optax_lossscale"), package)
-  for folder, _, files in os.walk(package):
-    for name in files:
-      if name.endswith(".py"):
-        path = os.path.join(folder, name)
-        with open(path) as f:
-          text = f.read().replace("optax_lossscale", BASELINE_PACKAGE)
-        with open(path, "w") as f:
-          f.write(text)
-  return True
-
-
-def import_baseline(root: str | None) -> Any | None:
-  """The package `extract_baseline` wrote to `root`; None if it won't serve."""
-  if root is None:
-    return None
-  sys.path.insert(0, root)
-  try:
-    baseline = importlib.import_module(BASELINE_PACKAGE)
-    baseline.loss_scale_optimizer, baseline.apply_gradients  # noqa: B018
-  except (ImportError, AttributeError) as e:
-    print(f"the baseline does not serve ({e!r}): left out", flush=True)
-    return None
-  return baseline
-
-
-def _baseline_fused(baseline: Any) -> Config:
-  """The baseline's fused step: `apply_gradients(loss_scale_optimizer(...))`."""
-
-  def config(lr: float) -> tuple[Any, Any]:
-    tx = baseline.loss_scale_optimizer(
-      optax.adam(lr), baseline.DynamicLossScale(step_overhead.SCALE)
-    )
-
-    def step(params, state, grads):
-      return baseline.apply_gradients(tx, grads, state, params)
-
-    return tx.init, step
-
-  return config
-
-
 def configs(baseline: Any | None, rev: str) -> dict[str, Config]:
   """The configurations, by column name, plain Adam first."""
   out: dict[str, Config] = {
@@ -163,7 +98,9 @@ def configs(baseline: Any | None, rev: str) -> dict[str, Config]:
     ),
   }
   if baseline is not None:
-    out[f"fused at {rev}"] = _baseline_fused(baseline)
+    out[f"fused at {rev}"] = lambda lr: step_overhead.fused_step_of(
+      baseline, lr
+    )
   out["fused"] = lambda lr: step_overhead.fused_step(lr)
   return out
 
@@ -174,13 +111,6 @@ def first_compile(config: Config, params: Any, lr: float) -> float:
   p = jax.tree.map(jnp.copy, params)
   grads = jax.tree.map(lambda x: x * 1e-3, params)
   return _timing.compile_step(step, p, init(p), grads)[1]
-
-
-def _cell(seconds: list[float], base: list[float]) -> str:
-  """The median and range of the rounds' ratios of `seconds` to `base`."""
-  ratios = np.asarray(seconds) / np.asarray(base)
-  low, median, high = np.min(ratios), np.median(ratios), np.max(ratios)
-  return f"{median:.2f}x ({low:.2f}-{high:.2f})"
 
 
 def compile_rows(
@@ -203,7 +133,7 @@ def compile_rows(
     base = seconds["plain adam"]
     spread = f"{np.min(base):.2f}-{np.max(base):.2f}"
     cells = [f"{n} leaves x 1000", f"{np.median(base):.2f} ({spread})"]
-    cells += [_cell(seconds[c], base) for c in names[1:]]
+    cells += [_timing.ratio_range(seconds[c], base) for c in names[1:]]
     rows.append("| " + " | ".join(cells) + " |")
     print(rows[-1], flush=True)
   return head, rows
@@ -289,8 +219,7 @@ TEXT = (
   " record."
 )
 BASELINE_TEXT = (
-  " `fused at {rev}` is the fused step of commit `{rev}`"
-  " (`apply_gradients(loss_scale_optimizer(adam, DynamicLossScale(2**10)))`),"
+  " `fused at {rev}` is the fused step of commit `{rev}` ({call}),"
   " read with `git archive` and compiled by the same JAX in the same"
   " process."
 )
@@ -305,7 +234,8 @@ PASS_TEXT = (
 def _logged_compile(name: str, leaves: int, root: str | None, rev: str) -> None:
   """In the child: one compile of `name` at `leaves` leaves."""
   params = step_overhead.make_tree(leaves, 1000)
-  first_compile(configs(import_baseline(root), rev)[name], params, 1.234e-3)
+  baseline = _timing.import_baseline(root)
+  first_compile(configs(baseline, rev)[name], params, 1.234e-3)
 
 
 def main() -> None:
@@ -327,15 +257,19 @@ def main() -> None:
   print(_timing.header(), flush=True)
   with tempfile.TemporaryDirectory() as tmp:
     root = (
-      tmp if args.baseline and extract_baseline(args.baseline, tmp) else None
+      tmp
+      if args.baseline and _timing.extract_baseline(args.baseline, tmp)
+      else None
     )
-    baseline = import_baseline(root)
+    baseline = _timing.import_baseline(root)
     root = root if baseline is not None else None
     named = configs(baseline, args.baseline)
     head, rows = compile_rows(args.compiles, args.leaves, named)
     text = "# First compile of the fused step\n\n" + _timing.header() + "\n\n"
     text += TEXT.format(compiles=args.compiles)
-    text += BASELINE_TEXT.format(rev=args.baseline) if baseline else ""
+    if baseline is not None:
+      call = step_overhead.fused_call(baseline)
+      text += BASELINE_TEXT.format(rev=args.baseline, call=call)
     text += "\n\n" + head + "\n" + "\n".join(rows) + "\n"
     if not args.no_passes:
       passes = pass_rows(list(named), args.leaves[0], root, args.baseline)

@@ -3,12 +3,17 @@
 Usage: python benchmarks/step_overhead.py [--quick] [--max-peer-leaves N]
        python benchmarks/step_overhead.py --failure-modes [--quick]
        python benchmarks/step_overhead.py --sharded [--quick]
+       python benchmarks/step_overhead.py --baseline REV [--quick]
 
 Everything is measured in one process on the same pytrees, in train-step
 shape: jitted, with parameters and optimizer state donated and fed back. The
 gradients are an input (scaled by 2**10), except in one workload, where they
 are computed in the step from matrix products, as in a real model. Prints a
 table, writes benchmarks/RESULTS.md and benchmarks/step_overhead.png.
+
+`--baseline REV` measures only the fused step and `update` of this checkout
+against those of commit `REV` (read with `git archive`), with plain adam,
+and writes benchmarks/BASELINE_STEP.md.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import functools
 import os
 import re
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -69,18 +75,61 @@ def config_plain():
   return optax_step(_adam())
 
 
+def _optimizer_of(package: Any, lr: float) -> Any:
+  """`package`'s loss scale optimizer of `adam(lr)`, `DynamicLossScale(SCALE)`.
+
+  `package` is this checkout's or an earlier commit's
+  (`_timing.import_baseline`): its `LossScaleOptimizer`, or, at a commit
+  before it, the transformation `loss_scale_optimizer` returned.
+  """
+  loss_scale = package.DynamicLossScale(SCALE)
+  if hasattr(package, "LossScaleOptimizer"):
+    return package.LossScaleOptimizer(optax.adam(lr), loss_scale)
+  return package.loss_scale_optimizer(optax.adam(lr), loss_scale)
+
+
+def fused_call(package: Any) -> str:
+  """The call `fused_step_of(package)` times, as the docs write it."""
+  if hasattr(package, "LossScaleOptimizer"):
+    return "`LossScaleOptimizer(adam, DynamicLossScale(2**10)).apply_gradients`"
+  return (
+    "`apply_gradients(loss_scale_optimizer(adam, DynamicLossScale(2**10)))`"
+  )
+
+
+def fused_step_of(
+  package: Any, lr: float = 1e-3
+) -> tuple[Callable[..., Any], Callable[..., Any]]:
+  """`package`'s fused step (`fused_call`), as `(init, step)`.
+
+  `step(params, state, grads)` returns `(params, state)`: the order of its
+  donated arguments (XLA:CPU copies donated buffers returned in another).
+  """
+  tx = _optimizer_of(package, lr)
+  if hasattr(package, "LossScaleOptimizer"):
+    apply_gradients = tx.apply_gradients
+  else:  # before the class, a free function took the transformation
+    apply_gradients = functools.partial(package.apply_gradients, tx)
+
+  def step(params, state, grads):
+    return apply_gradients(grads, state, params)
+
+  return tx.init, step
+
+
+def update_step_of(
+  package: Any, lr: float = 1e-3
+) -> tuple[Callable[..., Any], Callable[..., Any]]:
+  """`package`'s `update`, then `optax.apply_updates`, as `(init, step)`."""
+  return optax_step(_optimizer_of(package, lr))
+
+
 def config_update():
-  tx = ols.LossScaleOptimizer(_adam(), ols.DynamicLossScale(SCALE))
-  return optax_step(tx.gradient_transformation())
+  return update_step_of(ols)
 
 
 def config_apply_gradients():
-  tx = ols.LossScaleOptimizer(_adam(), ols.DynamicLossScale(SCALE))
-
-  def step(params, state, grads):
-    return tx.apply_gradients(grads, state, params)
-
-  return tx.init, step
+  return fused_step_of(ols)
 
 
 def fused_step(
@@ -343,7 +392,17 @@ def main() -> None:
     " plain adam, every leaf FSDP-sharded on 8 host devices (writes"
     " SHARDED.md)",
   )
+  parser.add_argument(
+    "--baseline",
+    metavar="REV",
+    help="only the fused step and update of this checkout against those of"
+    " commit REV, with plain adam, on 16M parameters and at 400 leaves"
+    " (writes BASELINE_STEP.md)",
+  )
   args = parser.parse_args()
+  if args.baseline:
+    against_baseline(args.out, args.baseline, args.quick)
+    return
   if args.sharded:
     sharded(args.out, 10 if args.quick else 30, 1 if args.quick else 5)
     return
@@ -582,6 +641,91 @@ def failure_modes(out: str, repeats: int, compiles: int) -> None:
       f" of {compiles} first compiles.\n\n"
       "| workload | option | step per call | step in a scan | compile |\n"
       "|---|---|---|---|---|\n" + "\n".join(lines) + "\n"
+    )
+
+
+def against_baseline(out: str, rev: str, quick: bool) -> None:
+  """The fused step and `update`, now and at commit `rev`, in one process.
+
+  Each configuration is compiled first, then timed in `ROUNDS` rounds, the
+  order rotated each round, `steps` steps each: every cell is the median
+  over the rounds of a ratio of the rounds' median step times, and its
+  range.
+  """
+  with tempfile.TemporaryDirectory() as tmp:
+    found = _timing.extract_baseline(rev, tmp)
+    package = _timing.import_baseline(tmp if found else None)
+    if package is None:
+      raise SystemExit(f"commit {rev!r} does not serve as a baseline")
+    rows = {
+      "plain adam": (config_plain, None),
+      f"LossScaleOptimizer.apply_gradients at {rev}": (
+        lambda: fused_step_of(package),
+        None,
+      ),
+      "LossScaleOptimizer.apply_gradients": (
+        lambda: fused_step_of(ols),
+        f"LossScaleOptimizer.apply_gradients at {rev}",
+      ),
+      f"LossScaleOptimizer.update at {rev}": (
+        lambda: update_step_of(package),
+        None,
+      ),
+      "LossScaleOptimizer.update": (
+        lambda: update_step_of(ols),
+        f"LossScaleOptimizer.update at {rev}",
+      ),
+    }
+    steps = 2 if quick else 100
+    workloads = (
+      [("160k / 8 leaves", make_tree(8, 20_000))]
+      + [("40 leaves x 1000", make_tree(40, 1000))]
+      if quick
+      else [("16M / 8 leaves", make_tree(8, 2_000_000))]
+      + [("400 leaves x 1000", make_tree(400, 1000))]
+    )
+    head = _timing.header()  # the load average before the runs
+    print(head, flush=True)
+    lines = []
+    for workload, params in workloads:
+      runs = {
+        name: prepare(name, params, jnp.float32, config=config)
+        for name, (config, _) in rows.items()
+      }
+      names = list(runs)
+      medians: dict[str, list[float]] = {name: [] for name in names}
+      for k in range(ROUNDS):
+        for name in names[k % len(names) :] + names[: k % len(names)]:
+          before = len(runs[name]["times"])
+          time_steps(runs[name], steps)
+          medians[name].append(float(np.median(runs[name]["times"][before:])))
+      for name, (_, then) in rows.items():
+        cells = [
+          workload,
+          name,
+          _timing.ratio_range(medians[name], medians["plain adam"]),
+        ]
+        cells.append(
+          _timing.ratio_range(medians[name], medians[then]) if then else "-"
+        )
+        lines.append("| " + " | ".join(cells) + " |")
+        print(lines[-1], flush=True)
+      del runs
+  with open(f"{out}/BASELINE_STEP.md", "w") as f:
+    f.write(
+      f"# The fused step now against commit {rev}\n\n{head}\n\n"
+      f"The fused step, {fused_call(ols)}, and `LossScaleOptimizer.update`"
+      " then `optax.apply_updates`, of this checkout and of commit"
+      f" `{rev}` (read with `git archive`; there {fused_call(package)}),"
+      " with plain adam, run by the same JAX in one process: each jitted,"
+      " its parameters and state donated and fed back, the gradients an"
+      f" input. Timed in {ROUNDS} rounds of {steps} steps, the order"
+      " rotated each round: each cell is the median over the rounds of the"
+      " ratio of the rounds' median step times, and its range in brackets."
+      f" `now / {rev}`: each step of this checkout against the same step"
+      f" at `{rev}`.\n\n"
+      f"| workload | step | vs plain adam | now / {rev} |\n"
+      "|---|---|---|---|\n" + "\n".join(lines) + "\n"
     )
 
 

@@ -34,6 +34,7 @@ WRITERS = {
   "RESULTS.md": ("benchmarks/step_overhead.py",),
   "FAILURE_MODES.md": ("benchmarks/step_overhead.py", "--failure-modes"),
   "SHARDED.md": ("benchmarks/step_overhead.py", "--sharded"),
+  "BASELINE_STEP.md": ("benchmarks/step_overhead.py", "--baseline"),
   "TRAIN_STEP.md": ("benchmarks/train_step.py",),
   "FINITE_SWEEP.md": ("benchmarks/finite_sweep.py",),
   "COMPILE.md": ("benchmarks/first_compile.py",),
@@ -379,6 +380,43 @@ def test_first_compile_reads_xla_pass_times_counting_nothing_twice(
 
 
 @pytest.mark.slow
+def test_step_overhead_baseline_quick_run_writes_the_ratios(tmp_path):
+  # The issue-37 bar's table: the fused step and update now against a
+  # commit's. A clone without the commit (a shallow one) skips.
+  rev = "18f90f4"
+  known = subprocess.run(
+    ["git", "-C", str(ROOT), "cat-file", "-e", f"{rev}^{{commit}}"],
+    capture_output=True,
+    check=False,
+  )
+  if known.returncode != 0:
+    pytest.skip(f"commit {rev} is not in this clone")
+  script = str(BENCHMARKS / "step_overhead.py")
+  _run(
+    sys.executable, script, "--baseline", rev, "--quick", "--out", str(tmp_path)
+  )
+  text = (tmp_path / "BASELINE_STEP.md").read_text()
+  _environment(text, "benchmarks/step_overhead.py", "--baseline", rev)
+  header, rows = _table(text, "| workload |")
+  assert header == ["workload", "step", "vs plain adam", f"now / {rev}"]
+  names = [
+    "plain adam",
+    f"LossScaleOptimizer.apply_gradients at {rev}",
+    "LossScaleOptimizer.apply_gradients",
+    f"LossScaleOptimizer.update at {rev}",
+    "LossScaleOptimizer.update",
+  ]
+  assert len({row[0] for row in rows}) == 2
+  assert [row[1] for row in rows] == names * 2
+  for row in rows:
+    for cell in row[2:]:
+      if cell != "-":
+        _ratio(cell.split(" (")[0])
+    assert (row[3] != "-") == (row[1] in names[2::2]), row  # the rows now
+  assert all(row[2].startswith("1.00x") for row in rows if row[1] == names[0])
+
+
+@pytest.mark.slow
 def test_first_compile_quick_run_writes_both_tables(tmp_path):
   # The real script on 8 leaves, one compile each, the passes read from
   # XLA's own log in child processes: a change of the log's format fails
@@ -413,22 +451,20 @@ def test_first_compile_quick_run_writes_both_tables(tmp_path):
   assert all(float(x) > 0 for x in rows[-1][1:])
 
 
-def test_first_compile_leaves_out_a_commit_it_cannot_read(
-  first_compile, tmp_path
-):
-  assert not first_compile.extract_baseline("no-such-commit", str(tmp_path))
-  assert first_compile.import_baseline(None) is None
+def test_first_compile_leaves_out_a_commit_it_cannot_read(timing, tmp_path):
+  assert not timing.extract_baseline("no-such-commit", str(tmp_path))
+  assert timing.import_baseline(None) is None
 
 
 def test_first_compile_builds_the_baseline_commits_fused_step(
-  first_compile, tmp_path
+  first_compile, timing, tmp_path
 ):
   # The committed table's `fused at 7f7800e` column: that commit still
   # extracts, imports and lowers under today's JAX and Optax. A clone
   # without it (a shallow one) leaves the column out, and this test too.
-  if not first_compile.extract_baseline(first_compile.BASELINE, str(tmp_path)):
+  if not timing.extract_baseline(first_compile.BASELINE, str(tmp_path)):
     pytest.skip(f"commit {first_compile.BASELINE} is not in this clone")
-  baseline = first_compile.import_baseline(str(tmp_path))
+  baseline = timing.import_baseline(str(tmp_path))
   assert baseline is not None
   config = first_compile.configs(baseline, first_compile.BASELINE)
   init, step = config[f"fused at {first_compile.BASELINE}"](1e-3)
