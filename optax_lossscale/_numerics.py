@@ -117,13 +117,8 @@ def finite_flags(leaves: Sequence[Any]) -> jax.Array:
   # its index, a constant, fails `vmap` of a `cond` branch on such a mesh.
   flags = jnp.concatenate(pieces)
   position = np.argsort(order)
-  starts = [
-    i for i in range(len(order)) if not i or position[i] != position[i - 1] + 1
-  ]
-  runs = zip(starts, [*starts[1:], len(order)], strict=True)
-  return jnp.concatenate(
-    [flags[position[a] : position[a] + b - a] for a, b in runs]
-  )
+  runs = np.split(position, np.flatnonzero(np.diff(position) != 1) + 1)
+  return jnp.concatenate([flags[r[0] : r[0] + len(r)] for r in runs])
 
 
 def agree(flags: jax.Array, axis_name: AxisName) -> jax.Array:

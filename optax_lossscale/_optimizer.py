@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from optax.tree import where as tree_where
 
@@ -38,21 +39,19 @@ def _in_overwrite_collection(path: tuple[Any, ...]) -> bool:
 
 def overwrite_mask(call: str, overwrite: Any, tree: Any) -> Any:
   """Per leaf of `tree`, whether the gradient overwrites it: bools."""
-  if overwrite is None or callable(overwrite):
-    rule = overwrite or _in_overwrite_collection
-    mask = jax.tree_util.tree_map_with_path(lambda p, _: rule(p), tree)
-  else:
-    try:  # a pytree of bools, with the parameters' structure or a prefix
-      mask = jax.tree.map(
-        lambda m, x: jax.tree.map(lambda _: m, x), overwrite, tree
-      )
-    except ValueError as e:
-      raise ValueError(
-        f"`{call}`: `overwrite_with_gradient` must be a function or a pytree"
-        f" of bools like the parameters: {e}"
-      ) from None
+  rule = _in_overwrite_collection if overwrite is None else overwrite
+  try:  # a function of the path, or a pytree of bools (or its prefix)
+    if callable(rule):
+      mask = jax.tree_util.tree_map_with_path(lambda p, _: rule(p), tree)
+    else:
+      mask = jax.tree.map(lambda m, x: jax.tree.map(lambda _: m, x), rule, tree)
+  except ValueError as e:
+    raise ValueError(
+      f"`{call}`: `overwrite_with_gradient` must be a function or a pytree"
+      f" of bools like the parameters: {e}"
+    ) from None
   for flag in jax.tree.leaves(mask):
-    if not isinstance(flag, bool):
+    if not isinstance(flag, (bool, np.bool_)):
       raise TypeError(
         f"`{call}`: `overwrite_with_gradient` must give a bool per leaf, got"
         f" {_validation.describe(flag)}."
@@ -66,16 +65,14 @@ def _masked(mask: Any, tree: Any) -> Any:
 
 
 _FLOAT16 = (
-  "LossScaleOptimizer.init: float16 parameters with a float16 inner state: an"
-  " `eps` of 1e-8 (Adam's) is 0 in float16, so a zero gradient makes a NaN"
-  " update. Keep float32 parameters, cast to float16 in the forward pass."
+  "LossScaleOptimizer.init: float16 parameters with a float16 inner state: if"
+  " `inner` divides by an `eps` (Adam's 1e-8 is 0 in float16), a zero gradient"
+  " makes a NaN update. Keep float32 parameters, cast in the forward pass."
 )
 
 
 def _float16(tree: Any) -> bool:
-  return jnp.dtype(jnp.float16) in {
-    getattr(x, "dtype", None) for x in jax.tree.leaves(tree)
-  }
+  return jnp.float16 in [getattr(x, "dtype", 0) for x in jax.tree.leaves(tree)]
 
 
 class Checks(NamedTuple):
@@ -98,7 +95,7 @@ def check_loss_scale(call: str, loss_scale: Any) -> None:
 
 def check_structure(call: str, grads: Any, params: Any) -> None:
   """Raises a `ValueError` naming the leaf where `grads` and `params` differ."""
-  if params is None:
+  if params is None or grads is None:
     return
   is_none = lambda x: x is None  # noqa: E731
   pairs = [
@@ -231,8 +228,9 @@ def _write_record(
   if len(leaves) != last.nonfinite.shape[-1]:  # `update` without parameters
     return last
   finite = _numerics.agree(_numerics.finite_flags(leaves), axis_name)
-  new = WriteRecord(optax.safe_increment(state.steps), ~finite)
-  return tree_where(jnp.all(finite), last, new)
+  applied = state.steps - state.consecutive_skipped_steps  # the last applied
+  new = WriteRecord(applied, ~finite)
+  return tree_where(jnp.all(finite) | (applied < 1), last, new)
 
 
 def _next_state(
@@ -447,16 +445,16 @@ class LossScaleOptimizer:
     self._check_inputs(call, grads, state, params)
     mask = self._mask(call, grads)
     if params is None and any(jax.tree.leaves(mask)):
-      raise ValueError(f"`{call}`: overwritten leaves need the `params`.")
+      raise ValueError(f"`{call}(params=None)`: overwritten leaves need them.")
 
     def apply(params: Any, inner_state: Any) -> Any:
       updates, inner_state = self._inner_update(
         mask, state.loss_scale, grads, inner_state, params, extra_args
       )
-      if params is None:  # then no leaf is overwritten (checked above)
-        return updates, inner_state
       new = lambda m, u, g, p: g.astype(p.dtype) - p if m else u  # noqa: E731
-      return jax.tree.map(new, mask, updates, grads, params), inner_state
+      if any(jax.tree.leaves(mask)):  # then `params` was given (checked above)
+        updates = jax.tree.map(new, mask, updates, grads, params)
+      return updates, inner_state
 
     # `inner` may return updates of another dtype or structure than `grads`.
     updates_like = jax.eval_shape(apply, params, state.inner_state)[0]
@@ -575,7 +573,7 @@ class LossScaleOptimizer:
     """
     call = "LossScaleOptimizer.minimize"
     _validation.integer(call, "max_retries", max_retries, minimum=0)
-    self._check_inputs(call, None, state, None)
+    self._check_inputs(call, None, state, params)
     value_and_grad = scaled_value_and_grad(fun, has_aux=has_aux)
     loss_of = (lambda v: v[0]) if has_aux else (lambda v: v)
 
@@ -703,6 +701,12 @@ class LossScaleOptimizer:
     _validation.state(call, state, LossScaleOptimizerState)
     check_dtypes(call, state, self._dtypes)
     check_structure(call, grads, params)
+    slots, n = state.last_skip.nonfinite.shape[-1], len(jax.tree.leaves(params))
+    if params is not None and slots and n != slots:
+      raise ValueError(
+        f"`{call}`: the parameters have {n} leaves, `init` had {slots} (flax's"
+        " `TrainState.create` inits it on `params['params']` only)."
+      )
 
   def _decide(
     self,

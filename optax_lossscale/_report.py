@@ -155,20 +155,21 @@ _FIXES = {
 }
 
 
-def _write_message(members: _Members, m: int) -> str:
-  """Why member `m`'s step wrote non-finite values, and the fix."""
-  member = f" (member {m})" if members.batched else ""
+def _write_message(members: _Members, ms: list[int]) -> str:
+  """Which parameters of members `ms` an update made non-finite, and the fix."""
+  m, step = ms[0], members.write_step[ms[0]]
+  member = f" (members {ms})" if members.batched else ""
   bad = (
     n for n, no in zip(members.names, members.written[m], strict=True) if no
   )
   return (
-    f"LossScaleOptimizer{member}: step {members.write_step[m]} was skipped and"
-    f" given non-finite parameters: {', '.join(bad)}. An"
-    " applied update wrote them from finite gradients: float16 parameters or"
-    " optimizer state (Optax's `eps`, 1e-8 in Adam, is 0 in float16), or a"
-    " learning rate too large. Keep the parameters and optimizer state in"
+    f"LossScaleOptimizer{member}: a skipped step was given non-finite"
+    f" parameters: {', '.join(bad)}. Step {step}, the last one applied, wrote"
+    " them from finite gradients (or an earlier step, if they did not reach"
+    " the loss): float16 parameters or optimizer state (Optax's `eps`, 1e-8"
+    " in Adam, is 0 in float16), or a learning rate too large. Keep both in"
     " float32 (cast to float16 in the forward pass), and restart from a"
-    " checkpoint taken before that step."
+    f" checkpoint taken before step {step}."
   )
 
 
@@ -327,6 +328,11 @@ class SkipMonitor:
       (of the member with the longest streak), else None.
 
     Raises:
+      FloatingPointError: once per new `last_nonfinite_write`: a skipped
+        step was given non-finite parameters, which an applied update wrote
+        (see `docs/guides/failure_modes.md`); it names the members, the
+        leaves, the step and the fix. A state restored with such a record
+        raises in a new monitor.
       ConsecutiveSkipsError: if `consecutive_skipped_steps` has reached
         `max_consecutive_skips`; its message names the count, the scales,
         whether the loss was finite, the leaves and the likely fix.
@@ -343,8 +349,9 @@ class SkipMonitor:
         self.log(report)
     wrote = _changed(self._seen_write, members.write_step)
     self._seen_write = members.write_step.copy()
-    for m in wrote[members.write_step[wrote] > 0][:1]:
-      raise FloatingPointError(_write_message(members, int(m)))
+    wrote = wrote[members.write_step[wrote] > 0]
+    if wrote.size:
+      raise FloatingPointError(_write_message(members, wrote.tolist()))
     limit = self.max_consecutive_skips
     worst = int(np.argmax(members.consecutive))
     if limit is not None and members.consecutive[worst] >= limit:

@@ -112,7 +112,7 @@ class SkipRecord:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class WriteRecord:
-  """The last skipped step that was given non-finite parameters.
+  """The parameters that a skipped step found non-finite, and their writer.
 
   Finite gradients can still make a non-finite update: float16 parameters
   with Adam, whose `eps=1e-8` is 0 in float16, divide 0 by 0. The next
@@ -122,8 +122,9 @@ class WriteRecord:
   `SkipMonitor` raises when it sees a new one.
 
   Attributes:
-    step: that skipped step (`LossScaleOptimizerState.steps` after it), or
-      0 if none (int32). An applied step before it wrote the values.
+    step: the last step applied before that skipped step (its number in
+      `LossScaleOptimizerState.steps`), which wrote the values, unless they
+      did not reach the loss; 0 if none (int32).
     nonfinite: per leaf of the parameters, whether it held a non-finite
       value (bool, one more axis).
   """

@@ -1105,3 +1105,22 @@ def test_only_skipped_steps_read_the_parameters_for_nonfinite_values():
   ]
   assert 70 * 70 in reduced[0]
   assert all(size < 70 * 70 for size in reduced[1])
+
+
+def test_parameters_other_than_init_s_are_named():
+  # flax's `TrainState.create(params=variables)` inits `tx` on
+  # `variables["params"]`: a step given all of `variables` says so.
+  tx = ols.LossScaleOptimizer(optax.adam(0.1), ols.DynamicLossScale())
+  params = {"params": {"w": jnp.ones(2)}, "stats": {"m": jnp.ones(2)}}
+  state = tx.init(params["params"])
+  loss = lambda p: jnp.sum(p["params"]["w"]) + jnp.sum(p["stats"]["m"])  # noqa: E731
+  calls = [
+    lambda: tx.apply_gradients(params, state, params),
+    lambda: tx.update(params, state, params),
+    lambda: tx.minimize(loss, params, state),
+  ]
+  for call in calls:
+    with pytest.raises(
+      ValueError, match=r"2 leaves, `init` had 1 .*TrainState"
+    ):
+      call()

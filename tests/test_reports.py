@@ -382,16 +382,18 @@ def test_the_monitor_names_parameters_that_an_applied_update_made_nonfinite():
   assert bool(state.should_apply) and np.isnan(params["w"][0])
   monitor = ols.SkipMonitor(log=None)
   assert monitor(state) is None  # nothing is read on an applied step
-  loss, params, state = step(params, state)  # the loss is NaN: skipped
-  assert not bool(state.should_apply)
-  assert int(state.last_nonfinite_write.step) == int(state.steps) == 2
+  for _ in range(4):  # the loss is NaN: skipped, and the monitor not read
+    loss, params, state = step(params, state)
+  assert not bool(state.should_apply) and int(state.steps) == 5
+  assert int(state.last_nonfinite_write.step) == 1  # the step that wrote it
   with pytest.raises(FloatingPointError) as raised:
     monitor(state)
   message = str(raised.value)
-  for part in ["step 2", "['w']", "float16", "`eps`", "float32"]:
+  for part in ["Step 1,", "before step 1", "['w']", "float16", "`eps`"]:
     assert part in message, (part, message)
   assert "['b']" not in message
-  assert monitor(state) is None  # raised once per new record
+  _, params, state = step(params, state)
+  assert monitor(state).consecutive_skipped_steps == 5  # raised once only
   with pytest.raises(FloatingPointError):
     ols.SkipMonitor(log=None)(state)  # a fresh monitor raises too
 
@@ -404,12 +406,14 @@ def test_a_skipped_step_with_finite_parameters_records_no_write():
   assert ols.SkipMonitor(log=None)(state) is not None  # a skip, no raise
 
 
-def test_the_monitor_names_the_member_whose_parameters_are_nonfinite():
-  params = {"w": jnp.array([[1.0, 2.0], [1.0, NAN]])}
+def test_the_monitor_names_the_members_whose_parameters_are_nonfinite():
   tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale())
+  params = {"w": jnp.ones((3, 2))}
   state = jax.vmap(tx.init)(params)
-  grads = {"w": jnp.array([[1.0, 1.0], [1.0, NAN]])}
-  _, state = jax.jit(jax.vmap(tx.update))(grads, state, params)
-  assert np.asarray(state.last_nonfinite_write.step).tolist() == [0, 1]
-  with pytest.raises(FloatingPointError, match=r"\(member 1\).*\['w'\]"):
+  step = jax.jit(jax.vmap(tx.update))
+  _, state = step({"w": jnp.ones((3, 2))}, state, params)  # applied: step 1
+  nan = {"w": params["w"].at[1:, 0].set(NAN)}  # members 1 and 2
+  _, state = step(nan, state, nan)  # skipped by 1 and 2
+  assert np.asarray(state.last_nonfinite_write.step).tolist() == [0, 1, 1]
+  with pytest.raises(FloatingPointError, match=r"members \[1, 2\].*\['w'\]"):
     ols.SkipMonitor(log=None)(state)
