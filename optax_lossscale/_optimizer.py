@@ -230,7 +230,7 @@ def _write_record(
   finite = _numerics.agree(_numerics.finite_flags(leaves), axis_name)
   applied = state.steps - state.consecutive_skipped_steps  # the last applied
   new = WriteRecord(applied, ~finite)
-  return tree_where(jnp.all(finite) | (applied < 1), last, new)
+  return tree_where(jnp.all(finite) | (applied < 1), last, new)  # type: ignore[no-any-return]
 
 
 def _next_state(
@@ -408,7 +408,7 @@ class LossScaleOptimizer:
     """
     trained = None if params is None else _masked(mask, params)
     unscaled = loss_scale.unscale(_masked(mask, grads))
-    return self.inner.update(unscaled, inner_state, trained, **extra_args)
+    return self.inner.update(unscaled, inner_state, trained, **extra_args)  # type: ignore[no-any-return]
 
   def update(
     self,
