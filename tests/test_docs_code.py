@@ -16,7 +16,6 @@ import pathlib
 import re
 import subprocess
 import sys
-import tempfile
 
 import pytest
 import yaml
@@ -74,33 +73,27 @@ def run_page(page: str, directory: pathlib.Path) -> subprocess.CompletedProcess:
   )
 
 
-RUNS: dict[str, concurrent.futures.Future] = {}
-
-
-def start_subprocesses(session: pytest.Session) -> None:
-  """Starts the runs of the pages this session tests (see conftest.py).
+@pytest.fixture(scope="module")
+def page_runs(request, tmp_path_factory):
+  """The runs of the pages this session tests, started together.
 
   As many run at once as there are CPUs (at least two): a page spends most
   of its time importing and compiling, on one core.
   """
   selected = [
     item.callspec.params["page"]
-    for item in session.items
+    for item in request.session.items
     if getattr(item, "function", None) is test_page_code_runs_in_order
   ]
   # The pages with the most code first, so that they do not start last.
   selected.sort(key=lambda page: -len(python_blocks(read(page))))
-  pool = concurrent.futures.ThreadPoolExecutor(max(2, os.cpu_count() or 1))
-  for page in selected:
-    directory = pathlib.Path(tempfile.mkdtemp(prefix="page-"))
-    RUNS[page] = pool.submit(run_page, page, directory)
-  pool.shutdown(wait=False)
-
-
-@pytest.fixture(scope="module")
-def page_runs():
-  """The runs of the pages, started when the session's collection ended."""
-  return RUNS
+  workers = max(2, os.cpu_count() or 1)
+  with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+    yield {
+      page: pool.submit(run_page, page, tmp_path_factory.mktemp("page"))
+      for page in selected
+    }
+    pool.shutdown(cancel_futures=True)
 
 
 def test_the_readme_and_the_guides_have_code_to_run():

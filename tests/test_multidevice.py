@@ -19,7 +19,6 @@ import pathlib
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -73,12 +72,15 @@ def _recipe(tmp: pathlib.Path) -> pathlib.Path:
   return script
 
 
-STARTED: dict[str, object] = {}
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory):
+  """Every subprocess of this module, started at once.
 
-
-def start_subprocesses(session: pytest.Session) -> None:
-  """Starts every subprocess of this module at once (see conftest.py)."""
-  tmp = pathlib.Path(tempfile.mkdtemp(prefix="multidevice-"))
+  Returns `(tmp, {name: (returncode, output)})`; the two processes of the
+  multi-process check write what they saw to `tmp/out0.json` and
+  `tmp/out1.json`.
+  """
+  tmp = tmp_path_factory.mktemp("multidevice")
   checks = str(ROOT / "tests" / "multidevice_checks.py")
   commands = {
     axes: ([checks, axes, *names], _env(8)) for axes, names in RUNS.items()
@@ -92,24 +94,11 @@ def start_subprocesses(session: pytest.Session) -> None:
   for rank in range(2):
     out = str(tmp / f"out{rank}.json")
     commands[f"rank{rank}"] = ([worker, str(port), str(rank), out], _env(2))
-  STARTED["tmp"], STARTED["deadline"] = tmp, time.monotonic() + TIMEOUT
-  STARTED["procs"] = {
+  procs = {
     name: _start(args, env, tmp / f"{name}.log")
     for name, (args, env) in commands.items()
   }
-
-
-@pytest.fixture(scope="module")
-def outputs(request):
-  """Every subprocess of this module, started when collection ended.
-
-  Returns `(tmp, {name: (returncode, output)})`; the two processes of the
-  multi-process check write what they saw to `tmp/out0.json` and
-  `tmp/out1.json`.
-  """
-  if not STARTED:
-    start_subprocesses(request.session)
-  tmp, deadline, procs = (STARTED[k] for k in ("tmp", "deadline", "procs"))
+  deadline = time.monotonic() + TIMEOUT
   try:
     for p in procs.values():
       p.wait(timeout=max(deadline - time.monotonic(), 1))
