@@ -25,7 +25,7 @@ __all__ = ["check_state"]
 
 T = TypeVar("T")
 # The int32 counters, `skipped_steps` and `consecutive_skipped_steps` first.
-_COUNTERS = (*LossScaleOptimizerState._fields[3:7], "steps")
+_COUNTERS = (*LossScaleOptimizerState._fields[3:7], "steps", "accumulated")
 _MOVES = "steps take the nearest bound"
 _GROWS = "the next finite step grows the scale"
 _LOWERS = "the next non-finite step lowers the scale"
@@ -97,6 +97,8 @@ def _check_optimizer_state(state: LossScaleOptimizerState, path: str) -> None:
   for name in _COUNTERS:
     where = f"`{path}.{name}`"
     _check(where, getattr(state, name), np.int32, shape, 0, np.inf)
+  norm = _array(state.grad_norm)  # inf or NaN after an overflow
+  _validation.array_dtype(f"`{path}.grad_norm`", norm, np.float32)
   skipped, consecutive = (
     _validation.host_values(_array(getattr(state, n))) for n in _COUNTERS[:2]
   )

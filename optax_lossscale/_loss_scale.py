@@ -36,7 +36,7 @@ from optax_lossscale import _numerics, _validation
 __all__ = ["DynamicLossScale", "FixedLossScale", "LossScale", "NoOpLossScale"]
 
 
-def _map_floats(fn: Any, tree: Any) -> Any:
+def map_floats(fn: Any, tree: Any) -> Any:
   """`fn` on each float leaf, in at least float32; the others pass as they are.
 
   Each leaf keeps its dtype: `fn(x, dtype)` gets it widened, and its result
@@ -160,7 +160,7 @@ class LossScale(abc.ABC):
       `float0` leaves pass unchanged.
     """
     s = self()
-    return _map_floats(lambda x, dtype: x * s.astype(dtype), tree)
+    return map_floats(lambda x, dtype: x * s.astype(dtype), tree)
 
   def unscale(self, tree: Any) -> Any:
     """Divides every float leaf of `tree` by the loss scale.
@@ -178,7 +178,7 @@ class LossScale(abc.ABC):
       `float0` leaves pass unchanged.
     """
     inverse = 1 / self()
-    return _map_floats(lambda x, dtype: x * inverse.astype(dtype), tree)
+    return map_floats(lambda x, dtype: x * inverse.astype(dtype), tree)
 
   def lowered(self) -> Self | None:
     """Returns the loss scale to retry an overflowed step with, or None.
@@ -214,47 +214,16 @@ class LossScale(abc.ABC):
     """
     return fitted
 
-  def _check_reads(self, scaled_grads: Any) -> Any:
-    """The gradients the finiteness check reads: the unscaled ones, here.
-
-    A loss scale that cannot fall below 1 returns the scaled ones instead:
-    unscaling by at least 1 cannot make a finite value infinite, and the
-    unscaling then fuses into the update instead of the check.
-    """
-    return self.unscale(scaled_grads)
-
-
-def leaf_flags(
-  loss_scale: LossScale, scaled_grads: Any, as_is: Any = None
-) -> jax.Array:
-  """Per leaf of `scaled_grads`, whether it is finite once unscaled; local.
-
-  `as_is`, a pytree of bools over `scaled_grads`: the leaves that were never
-  scaled, checked as they are.
-  """
-  checked = loss_scale._check_reads(scaled_grads)
-  if as_is is not None:
-    pick = lambda a, c, g: g if a else c  # noqa: E731
-    checked = jax.tree.map(pick, as_is, checked, scaled_grads)
-  return _numerics.finite_flags(jax.tree.leaves(checked))
-
 
 def _static(**kwargs: Any) -> Any:
   return dataclasses.field(metadata=dict(static=True), **kwargs)
 
 
 class _Constant(LossScale):
-  """A scale of at least 1 that never changes: its `update` always applies.
-
-  Unscaling by at least 1 cannot make a finite value infinite, so the check
-  reads the scaled gradients.
-  """
+  """A scale that never changes: its `update` always applies."""
 
   def adjust(self, grads_finite: jax.Array) -> tuple[Self, jax.Array]:
     return self, jnp.array(True)
-
-  def _check_reads(self, scaled_grads: Any) -> Any:
-    return scaled_grads
 
 
 @jax.tree_util.register_dataclass
@@ -485,8 +454,7 @@ class DynamicLossScale(LossScale):
 
   def __call__(self) -> jax.Array:
     # A scale outside the bounds (restored into other ones) counts as the
-    # nearest, and NaN as the floor: the check's shortcut needs at least 1.
-    # `asarray` unwraps containers such as Flax NNX's optimizer variables.
+    # nearest, and NaN as the floor.
     scale = jnp.minimum(self.current_loss_scale, self.max_loss_scale or np.inf)
     return jnp.where(scale >= self.min_loss_scale, scale, self.min_loss_scale)
 
@@ -555,7 +523,3 @@ class DynamicLossScale(LossScale):
       for name in _HYPERPARAMETERS
       if name in _TENSORFLOW_KEYS or getattr(self, name) != defaults[name]
     }
-
-  def _check_reads(self, scaled_grads: Any) -> Any:
-    at_least_one = self.min_loss_scale >= 1
-    return scaled_grads if at_least_one else self.unscale(scaled_grads)

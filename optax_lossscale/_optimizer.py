@@ -14,20 +14,27 @@ import optax
 from optax.tree import where as tree_where
 
 from optax_lossscale import _cond, _numerics, _retry, _validation
-from optax_lossscale._loss_scale import LossScale, leaf_flags
+from optax_lossscale._loss_scale import LossScale, map_floats
+from optax_lossscale._read import (
+  Checks,
+  Window,
+  check,
+  masked,
+  with_micro_batch,
+)
 from optax_lossscale._states import (
   LossScaleOptimizerState,
   SkipRecord,
   WriteRecord,
   check_dtypes,
-  find_states,
 )
 from optax_lossscale._value_and_grad import scaled_value_and_grad
 
 __all__ = ["LossScaleOptimizer"]
 
-# A branch of the step's `cond`: (params, inner_state) -> (out, inner_state).
-_Branch = Callable[[Any, Any], tuple[Any, Any]]
+# A branch of the step's conditional: (params, inner state, write record) to
+# (output, inner state, write record).
+_Branch = Callable[[Any, Any, Any], tuple[Any, Any, Any]]
 # flax's `fp8_ops.OVERWRITE_WITH_GRADIENT`: FP8 scales and amax histories,
 # whose "gradients" are their new values.
 _OVERWRITE = "_overwrite_with_gradient"
@@ -59,11 +66,6 @@ def overwrite_mask(call: str, overwrite: Any, tree: Any) -> Any:
   return mask
 
 
-def _masked(mask: Any, tree: Any) -> Any:
-  """`tree` with an `optax.MaskedNode` at each overwritten leaf."""
-  return jax.tree.map(lambda m, x: optax.MaskedNode() if m else x, mask, tree)
-
-
 _FLOAT16 = (
   "LossScaleOptimizer.init: float16 parameters with a float16 inner state: if"
   " `inner` divides by an `eps` (Adam's 1e-8 is 0 in float16), a zero gradient"
@@ -73,18 +75,6 @@ _FLOAT16 = (
 
 def _float16(tree: Any) -> bool:
   return jnp.float16 in [getattr(x, "dtype", 0) for x in jax.tree.leaves(tree)]
-
-
-class Checks(NamedTuple):
-  """What a step's check found, agreed across replicas.
-
-  `flags`: per gradient leaf, whether it is finite once unscaled.
-  `loss_finite`: None when no loss was given.
-  """
-
-  grads_finite: jax.Array
-  loss_finite: jax.Array | None
-  flags: jax.Array
 
 
 def check_loss_scale(call: str, loss_scale: Any) -> None:
@@ -131,36 +121,6 @@ def check_structure(call: str, grads: Any, params: Any) -> None:
       )
 
 
-def check(
-  call: str,
-  loss_scale: LossScale,
-  grads: Any,
-  value: Any,
-  axis_name: _numerics.AxisName,
-  overwritten: Any = None,
-) -> Checks:
-  """The step's check: one read of the gradients, one collective.
-
-  `overwritten` (per leaf, bools): the gradients that are new values, not
-  scaled.
-  """
-  if value is not None and not jnp.issubdtype(
-    jnp.result_type(value), jnp.inexact
-  ):
-    raise TypeError(
-      f"`{call}(..., value=...)` must be the loss, a floating-point array,"
-      f" got {_validation.describe(value)}."
-    )
-  flags = leaf_flags(loss_scale, grads, overwritten)
-  local = [flags]
-  if value is not None:
-    local.append(jnp.all(jnp.isfinite(value)).reshape(1))
-  agreed = _numerics.agree(jnp.concatenate(local), axis_name)
-  n = flags.shape[0]
-  loss_finite = None if value is None else agreed[n]
-  return Checks(jnp.all(agreed[:n]), loss_finite, agreed[:n])
-
-
 def decide(
   loss_scale: LossScale, checks: Checks, skip_nonfinite: bool
 ) -> tuple[LossScale, jax.Array]:
@@ -182,21 +142,13 @@ def _count(counter: jax.Array, flag: jax.Array | bool) -> jax.Array:
   return jnp.where(flag, optax.safe_increment(counter), counter)
 
 
-def _window_open(inner_state: Any) -> jax.Array | bool:
-  """Whether an `optax.MultiSteps` in `inner`'s state has an open window."""
-  steps = [
-    s.mini_step for s in find_states(inner_state, (optax.MultiStepsState,))
-  ]
-  return jnp.any(jnp.stack(steps) != 0) if steps else False
-
-
 def _skip_record(
   state: LossScaleOptimizerState,
   tried: LossScale,
   next_loss_scale: LossScale,
   checks: Checks,
 ) -> SkipRecord:
-  """The record of a skipped step, built in the skip branch only."""
+  """The record of a skipped step (a few scalars and a flag per leaf)."""
   lowered, loss_finite = tried.lowered(), checks.loss_finite
   slots = state.last_skip.nonfinite.shape[-1]  # none after `init(None)`
   return dataclasses.replace(
@@ -240,7 +192,7 @@ def _next_state(
   checks: Checks,
   retries: jax.Array | int,
 ) -> LossScaleOptimizerState:
-  """The counters after a step; the inner state and record are the cond's."""
+  """The counters after a step; the inner state and records come apart."""
   skipped = ~should_apply
   loss_failed = False if checks.loss_finite is None else ~checks.loss_finite
   return state._replace(
@@ -253,33 +205,65 @@ def _next_state(
     nonfinite_loss_steps=_count(state.nonfinite_loss_steps, loss_failed),
     retries=state.retries + retries,
     steps=optax.safe_increment(state.steps),
+    grad_norm=checks.norm,
   )
 
 
+class _Accumulation(NamedTuple):
+  every_k: Callable[[jax.Array], Any]
+  mean: bool
+
+
+def _accumulation(call: str, multi: optax.MultiSteps) -> _Accumulation:
+  """The windows an `optax.MultiSteps` asks for: their length and mean.
+
+  `MultiSteps` has no public accessor for them (Optax 0.2.8): they are read
+  from its attributes, once (tests/test_accumulation.py would see a rename).
+  """
+  skip = multi._should_skip_update_fn
+  if "MultiSteps.__init__" not in getattr(skip, "__qualname__", ""):
+    raise ValueError(
+      f"`{call}(inner=...)` must be an `optax.MultiSteps` without a"
+      f" `should_skip_update_fn`, got {_validation.describe(skip)}: each"
+      " non-finite micro-batch is dropped before it is accumulated."
+    )
+  return _Accumulation(multi._every_k_schedule, multi._use_grad_mean)
+
+
 class LossScaleOptimizer:
-  """Wraps an optimizer with loss scaling: unscale, check, update or skip.
+  """Wraps an optimizer with loss scaling: unscale, check, clip, update or skip.
 
   The Optax counterpart of Keras' `LossScaleOptimizer`, a class like
-  `optax.MultiSteps`. Each step reads the (scaled) gradients once, updates
-  the loss scale and decides whether to apply the step: the loss scale's
-  own answer and, with `skip_nonfinite`, finite gradients and a finite loss
-  (given as `value=`). An applied step runs `inner` on the unscaled
-  gradients. A skipped step changes no parameter and leaves `inner`'s state
-  bit for bit unchanged; it writes a `SkipRecord` into the state, for
+  `optax.MultiSteps`. Each step reads the (scaled) gradients once: the sum
+  of the squares of the unscaled gradients gives whether they are all
+  finite, the global norm (`state.grad_norm`) and, with `max_norm`, the
+  clip factor, which multiplies the unscaling. It updates the loss scale
+  and decides whether to apply the step: the loss scale's own answer and,
+  with `skip_nonfinite`, finite gradients and a finite loss (given as
+  `value=`). An applied step runs `inner` on the unscaled (and clipped)
+  gradients. A skipped step changes no parameter and leaves `inner`'s
+  state bit for bit unchanged; it writes a `SkipRecord` into the state, for
   `skip_reports` and `SkipMonitor` to read later. Nothing calls the host.
 
-  The skip is one `lax.cond` around `inner`'s update. `apply_gradients` (and
-  `minimize`) update the parameters inside it: the fastest step, and the
-  one to use with donated parameters and state. `update` returns the
-  updates, for code that needs the Optax interface.
+  The skip is one conditional around `inner`'s update. `apply_gradients`
+  (and `minimize`) update the parameters inside it: the fastest step, and
+  the one to use with donated parameters and state. `update` returns the
+  updates, for code that needs the Optax interface. A sum of squares that
+  is not finite (an overflow, or finite gradients whose squares exceed
+  float32) runs a small conditional that checks each leaf exactly.
 
   Use the instance wherever Optax transformations are duck-typed (a linen
   `TrainState`, an `nnx.Optimizer`), or `gradient_transformation()` where an
   `optax.GradientTransformation` is required.
 
-  Gradient accumulation: pass an `optax.MultiSteps` as `inner`. Each
-  micro-batch is checked before it is accumulated, so a non-finite one is
-  dropped alone; the loss scale moves once per window.
+  Gradient accumulation: pass an `optax.MultiSteps(opt, k)` as `inner`.
+  The optimizer steps at every k-th micro-batch, counting the dropped ones,
+  on the mean (or, with `use_grad_mean=False`, the sum) of the micro-batches
+  the window kept; a window that kept none is skipped. Each micro-batch is
+  checked before it is accumulated, and a non-finite one is dropped alone:
+  it lowers the loss scale at once, and finite ones raise it once per
+  window. `max_norm` clips the window's gradient, and `grad_norm` is its
+  norm so far. The state's `inner_state` is an `optax.MultiStepsState`.
 
   An applied step can write non-finite parameters from finite gradients (a
   float16 Adam state divides 0 by 0); the next steps then skip. A skipped
@@ -288,19 +272,23 @@ class LossScaleOptimizer:
 
   FP8 scales and amax histories (flax's `_overwrite_with_gradient`
   collection) get new values, not gradients, from the backward pass. Such
-  leaves are checked but not unscaled, have no `inner` state, take their
-  "gradient" as their value on an applied step and are kept on a skipped
-  one.
+  leaves are checked but not unscaled, are not in the norm, have no `inner`
+  state, take their "gradient" as their value on an applied step (or kept
+  micro-batch) and are kept on a skipped one.
 
   Args:
-    inner: the optimizer to wrap, any Optax transformation (or an
-      `optax.MultiSteps`). Extra arguments of `update` (`value=` included)
-      are passed to it.
+    inner: the optimizer to wrap, any Optax transformation, or an
+      `optax.MultiSteps` without `should_skip_update_fn`. Extra arguments
+      of `update` (`value=` included) are passed to it.
     loss_scale: the initial loss scale.
+    max_norm: clip the unscaled gradients (under accumulation, the window's
+      gradient) by their global norm, as `optax.clip_by_global_norm` first
+      in `inner` would; None does not clip.
     skip_nonfinite: skip non-finite steps even when the loss scale would
       apply them (`FixedLossScale`, `NoOpLossScale`). False gives
       TensorFlow's exact behaviour.
     axis_name: a mapped axis whose replicas must agree (see `all_finite`).
+      Inside `shard_map`, the norm sums the gradients that vary along it.
     overwrite_with_gradient: which leaves the gradient overwrites: a
       function of a leaf's key path that returns a bool, or a pytree of
       bools (the parameters' structure, or a prefix of it). By default, the
@@ -308,6 +296,8 @@ class LossScaleOptimizer:
 
   Raises:
     TypeError: if an argument has the wrong type.
+    ValueError: if `max_norm` is not positive, or `inner` is an
+      `optax.MultiSteps` with a `should_skip_update_fn`.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -320,8 +310,18 @@ class LossScaleOptimizer:
     >>> loss, grads = ols.scaled_value_and_grad(lambda p: p["w"])(
     ...     state, params)
     >>> params, state = tx.apply_gradients(grads, state, params, value=loss)
-    >>> float(params["w"]), float(state.loss_scale())
-    (3.0, 4.0)
+    >>> float(params["w"]), float(state.loss_scale()), float(state.grad_norm)
+    (3.0, 4.0, 1.0)
+
+    Clipping by the global norm, in the same read:
+
+    >>> tx = ols.LossScaleOptimizer(optax.sgd(1.0), ols.FixedLossScale(8.0),
+    ...                             max_norm=1.0)
+    >>> params = {"w": jnp.zeros(2)}
+    >>> params, state = tx.apply_gradients(
+    ...     {"w": jnp.array([24.0, 32.0])}, tx.init(params), params)
+    >>> params["w"], float(state.grad_norm)
+    (Array([-0.6, -0.8], dtype=float32), 5.0)
   """
 
   def __init__(
@@ -329,13 +329,16 @@ class LossScaleOptimizer:
     inner: optax.GradientTransformation | optax.MultiSteps,
     loss_scale: LossScale,
     *,
+    max_norm: float | None = None,
     skip_nonfinite: bool = True,
     axis_name: _numerics.AxisName = None,
     overwrite_with_gradient: Any = None,
   ) -> None:
     call = "LossScaleOptimizer"
+    self._multi, self._accumulation = None, None
     if isinstance(inner, optax.MultiSteps):
-      inner = optax.GradientTransformationExtraArgs(inner.init, inner.update)
+      self._multi, self._accumulation = inner, _accumulation(call, inner)
+      inner = inner.inner_opt
     if not isinstance(inner, optax.GradientTransformation):
       raise TypeError(
         f"`{call}(inner=...)` must be an Optax transformation, got"
@@ -344,6 +347,13 @@ class LossScaleOptimizer:
     check_loss_scale(call, loss_scale)
     self.inner = optax.with_extra_args_support(inner)
     self.loss_scale = loss_scale
+    if max_norm is not None:
+      max_norm = _validation.scalar(call, "max_norm", max_norm)
+      if not max_norm > 0:
+        raise ValueError(
+          f"`{call}(max_norm=...)` must be positive, got {max_norm}."
+        )
+    self.max_norm = max_norm
     self.skip_nonfinite = _validation.boolean(
       call, "skip_nonfinite", skip_nonfinite
     )
@@ -366,8 +376,8 @@ class LossScaleOptimizer:
     """
     paths = jax.tree_util.tree_flatten_with_path(params)[0]
     names = [jax.tree_util.keystr(path) or "<root>" for path, _ in paths]
-    trained = _masked(self._mask("LossScaleOptimizer.init", params), params)
-    inner_state = self.inner.init(trained)
+    trained = masked(self._mask("LossScaleOptimizer.init", params), params)
+    inner_state = (self._multi or self.inner).init(trained)
     if not self._warned_float16 and _float16(trained) and _float16(inner_state):
       self._warned_float16 = True
       warnings.warn(_FLOAT16, stacklevel=2)
@@ -378,7 +388,7 @@ class LossScaleOptimizer:
   ) -> LossScaleOptimizerState:
     # The loss scale, the inner state, `should_apply`, four counters (fresh
     # arrays each: a donated state shares no buffer), the skip record, the
-    # step count and the write record.
+    # step count, the write record, the norm and the window's count.
     own = [
       jax.tree.map(jnp.copy, self.loss_scale),
       inner_state,
@@ -388,27 +398,17 @@ class LossScaleOptimizer:
     own.append(SkipRecord.empty(self.loss_scale(), names))
     own.append(jnp.zeros((), jnp.int32))
     own.append(WriteRecord.empty(len(names)))
+    own += [jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)]
     return LossScaleOptimizerState._make(own)
 
   def _mask(self, call: str, tree: Any) -> Any:
     return overwrite_mask(call, self.overwrite_with_gradient, tree)
 
-  def _inner_update(
-    self,
-    mask: Any,
-    loss_scale: LossScale,
-    grads: Any,
-    inner_state: Any,
-    params: Any,
-    extra_args: dict[str, Any],
-  ) -> tuple[Any, Any]:
-    """`inner`'s update of the unscaled gradients of the trained leaves.
-
-    The updates hold an `optax.MaskedNode` at each overwritten leaf.
-    """
-    trained = None if params is None else _masked(mask, params)
-    unscaled = loss_scale.unscale(_masked(mask, grads))
-    return self.inner.update(unscaled, inner_state, trained, **extra_args)  # type: ignore[no-any-return]
+  def _window(self, state: LossScaleOptimizerState) -> Window | None:
+    if self._accumulation is None:
+      return None
+    acc = state.inner_state.acc_grads
+    return Window(acc, state.accumulated, self._accumulation.mean)
 
   def update(
     self,
@@ -440,29 +440,11 @@ class LossScaleOptimizer:
       TypeError: if `state` is not a `LossScaleOptimizerState`, or a field
         of it was cast to another dtype (naming it), at trace time.
     """
-
     call = "LossScaleOptimizer.update"
     self._check_inputs(call, grads, state, params)
-    mask = self._mask(call, grads)
-    if params is None and any(jax.tree.leaves(mask)):
+    if params is None and any(jax.tree.leaves(self._mask(call, grads))):
       raise ValueError(f"`{call}(params=None)`: overwritten leaves need them.")
-
-    def apply(params: Any, inner_state: Any) -> Any:
-      updates, inner_state = self._inner_update(
-        mask, state.loss_scale, grads, inner_state, params, extra_args
-      )
-      new = lambda m, u, g, p: g.astype(p.dtype) - p if m else u  # noqa: E731
-      if any(jax.tree.leaves(mask)):  # then `params` was given (checked above)
-        updates = jax.tree.map(new, mask, updates, grads, params)
-      return updates, inner_state
-
-    # `inner` may return updates of another dtype or structure than `grads`.
-    updates_like = jax.eval_shape(apply, params, state.inner_state)[0]
-
-    def skip(params: Any, inner_state: Any) -> tuple[Any, Any]:
-      return optax.tree.zeros_like(updates_like), inner_state
-
-    return self._step(call, grads, state, params, extra_args, (apply, skip))
+    return self._step(call, grads, state, params, extra_args, fused=False)
 
   def apply_gradients(
     self,
@@ -493,25 +475,7 @@ class LossScaleOptimizer:
     """
     call = "LossScaleOptimizer.apply_gradients"
     self._check_inputs(call, grads, state, params)
-    branches = self._fused(grads, state.loss_scale, extra_args)
-    return self._step(call, grads, state, params, extra_args, branches)
-
-  def _fused(
-    self, grads: Any, loss_scale: LossScale, extra_args: dict[str, Any]
-  ) -> tuple[_Branch, _Branch]:
-    """The fused step's branches: the parameters change inside the `cond`."""
-
-    mask = self._mask("LossScaleOptimizer.apply_gradients", grads)
-
-    def apply(params: Any, inner_state: Any) -> tuple[Any, Any]:
-      updates, inner_state = self._inner_update(
-        mask, loss_scale, grads, inner_state, params, extra_args
-      )
-      trained = optax.apply_updates(_masked(mask, params), updates)
-      new = lambda m, t, g, p: g.astype(p.dtype) if m else t  # noqa: E731
-      return jax.tree.map(new, mask, trained, grads, params), inner_state
-
-    return apply, lambda params, inner_state: (params, inner_state)
+    return self._step(call, grads, state, params, extra_args, fused=True)
 
   def minimize(
     self,
@@ -608,15 +572,15 @@ class LossScaleOptimizer:
     def finish(found: _retry.Attempt, operand: Any) -> Any:
       extra_args = {"value": loss_of(found.value)}
       params, state = operand
-      branches = self._fused(found.grads, found.loss_scale, extra_args)
       return self._step(
-        call, found.grads, state, params, extra_args, branches, found
+        call, found.grads, state, params, extra_args, True, found
       )
 
+    mask, window = self._mask, self._window(state)
     value, (params, state) = _retry.retry(
       lambda ls, operand: attempt(ls, operand[0]),
       lambda ls, value, g: check(
-        call, ls, g, loss_of(value), self.axis_name, self._mask(call, g)
+        call, ls, g, loss_of(value), self.axis_name, mask(call, g), window
       ),
       finish,
       state.loss_scale,
@@ -640,59 +604,195 @@ class LossScaleOptimizer:
     state: LossScaleOptimizerState,
     params: Any,
     extra_args: dict[str, Any],
-    branches: tuple[_Branch, _Branch],
+    fused: bool,
     attempt: _retry.Attempt | None = None,
   ) -> tuple[Any, LossScaleOptimizerState]:
-    """Check, decide, one `lax.cond` around `inner`, and the new state.
+    """Read, decide, one conditional around `inner`, and the new state.
 
     `attempt` is one of `minimize`'s attempts: an attempt that a retry
-    follows (`held`) writes nothing; that is folded into the one `cond`
-    (a second conditional would make XLA copy what the retry loop carries).
+    follows (`held`) writes nothing; that is folded into the one conditional
+    (a second would make XLA copy what the retry loop carries).
     """
+    mask, window = self._mask(call, grads), self._window(state)
     if attempt is None:
       value = extra_args.get("value")
-      mask = self._mask(call, grads)
-      checks = check(call, state.loss_scale, grads, value, self.axis_name, mask)
+      checks = check(
+        call, state.loss_scale, grads, value, self.axis_name, mask, window
+      )
       retries: jax.Array | int = 0
-      tried, held = state.loss_scale, None
+      tried, held = state.loss_scale, jnp.array(False)
     else:
       checks, tried = attempt.checks, attempt.loss_scale
       held, retries = attempt.held, attempt.retries
     loss_scale, should_apply = self._decide(state, tried, checks, retries)
-    apply, skip = branches
-
-    def apply_(params: Any, inner_state: Any, records: Any) -> Any:
-      return *apply(params, inner_state), records
-
-    def skip_(params: Any, inner_state: Any, records: Any) -> Any:
-      # The records are written on skipped steps only: no second conditional.
-      new = (
-        _skip_record(state, tried, loss_scale, checks),
-        _write_record(state, params, self.axis_name),
-      )
-      new = new if held is None else tree_where(held, records, new)
-      return *skip(params, inner_state), new
-
-    applies = should_apply if held is None else should_apply & ~held
-    # `skip_` stays the false branch: XLA's conditional's branch 0, which
-    # passes donated buffers through uncopied (jax#39449; the other order
-    # copies each: tests/test_accelerator_ready.py).
-    records = (state.last_skip, state.last_nonfinite_write)
-    operands = (params, state.inner_state, records)
-    out, inner, (last_skip, wrote) = _cond.cond(
-      applies, apply_, skip_, *operands, sharded_like=grads
+    index, closes, counters = self._schedule(state, should_apply, held)
+    branches = self._branches(
+      mask,
+      tried,
+      grads,
+      state,
+      checks,
+      should_apply,
+      held,
+      extra_args,
+      params,
+      fused,
     )
-    # A micro-batch that leaves an accumulation window open holds the scale
-    # (unless it was recomputed: that is an overflow).
-    hold = should_apply & _window_open(inner) & (retries == 0)
+    # The skip stays branch 0: XLA's conditional passes donated buffers
+    # through it uncopied (jax#39449; other orders copy each:
+    # tests/test_accelerator_ready.py).
+    operands = (params, state.inner_state, state.last_nonfinite_write)
+    out, inner, wrote = _cond.switch(
+      index, branches, *operands, sharded_like=grads
+    )
+    dropped = ~should_apply & ~held
+    last_skip = tree_where(
+      dropped, _skip_record(state, tried, loss_scale, checks), state.last_skip
+    )
+    # A kept micro-batch that leaves its window open holds the scale (unless
+    # it was recomputed: that is an overflow).
+    hold = should_apply & ~closes & (retries == 0)
     loss_scale = tree_where(hold, state.loss_scale, loss_scale)
     new = _next_state(state, loss_scale, should_apply, checks, retries)
+    if counters is not None:
+      mini_step, gradient_step, accumulated = counters
+      inner = inner._replace(mini_step=mini_step, gradient_step=gradient_step)
+      new = new._replace(accumulated=accumulated)
     new = new._replace(
       inner_state=inner, last_skip=last_skip, last_nonfinite_write=wrote
     )
-    if held is not None:  # a held attempt keeps the scale and the counters
+    if attempt is not None:  # a held attempt keeps the scale and counters
       new = tree_where(held, state._replace(inner_state=inner), new)
     return out, new
+
+  def _schedule(
+    self, state: LossScaleOptimizerState, should_apply: Any, held: Any
+  ) -> tuple[jax.Array, jax.Array, tuple[jax.Array, ...] | None]:
+    """The branch, whether a window closes, and the window's counters.
+
+    Branches: 0 skips; without accumulation 1 steps; with it 1 accumulates
+    and 2 steps, at the window's last micro-batch if it kept any.
+    """
+    applies = should_apply & ~held
+    if self._accumulation is None:
+      return applies.astype(jnp.int32), jnp.array(True), None
+    window = state.inner_state
+    k = self._accumulation.every_k(window.gradient_step)
+    closes = window.mini_step + 1 >= k
+    kept = state.accumulated + applies.astype(jnp.int32)
+    index = jnp.where(closes & (kept > 0), 2, applies.astype(jnp.int32))
+    moved = ~held & closes
+    counters = (
+      jnp.where(
+        held, window.mini_step, jnp.where(closes, 0, window.mini_step + 1)
+      ),
+      window.gradient_step + (index == 2).astype(jnp.int32),
+      jnp.where(held, state.accumulated, jnp.where(moved, 0, kept)),
+    )
+    return index, closes, counters
+
+  def _branches(
+    self,
+    mask: Any,
+    loss_scale: LossScale,
+    grads: Any,
+    state: LossScaleOptimizerState,
+    checks: Checks,
+    kept: jax.Array,
+    held: jax.Array,
+    extra_args: dict[str, Any],
+    params: Any,
+    fused: bool,
+  ) -> list[_Branch]:
+    """The conditional's branches: skip, (accumulate,) step."""
+    window, trained = self._window(state), lambda p: masked(mask, p)
+    output = self._output(mask, grads, state, extra_args, params, fused)
+
+    def gradient() -> Any:  # the window's, with this micro-batch if kept
+      unscaled = masked(mask, loss_scale.unscale(grads))
+      new = with_micro_batch(window, unscaled)
+      if window is None:
+        return new
+      pick = lambda n, a: jnp.where(kept, n, a)  # noqa: E731
+      return jax.tree.map(pick, new, window.acc)
+
+    def skip(params: Any, inner: Any, wrote: Any) -> Any:
+      new = _write_record(state, params, self.axis_name)
+      return output(params, None, False), inner, tree_where(held, wrote, new)
+
+    def accumulate(params: Any, inner: Any, wrote: Any) -> Any:
+      return (
+        output(params, None, kept),
+        inner._replace(acc_grads=gradient()),
+        wrote,
+      )
+
+    def step(params: Any, inner: Any, wrote: Any) -> Any:
+      g = gradient()
+      if window is not None:
+        g = optax.tree.cast_like(g, trained(grads))
+      if self.max_norm is not None:
+        factor = jnp.where(
+          checks.norm < self.max_norm, 1.0, self.max_norm / checks.norm
+        )
+        g = map_floats(lambda x, dtype: x * factor.astype(dtype), g)
+      opt_state = inner if window is None else inner.inner_opt_state
+      updates, opt_state = self.inner.update(
+        g, opt_state, None if params is None else trained(params), **extra_args
+      )
+      if window is not None:
+        acc = optax.tree.zeros_like(window.acc)
+        opt_state = inner._replace(inner_opt_state=opt_state, acc_grads=acc)
+      return output(params, updates, kept), opt_state, wrote
+
+    return [skip, step] if window is None else [skip, accumulate, step]
+
+  def _output(
+    self,
+    mask: Any,
+    grads: Any,
+    state: LossScaleOptimizerState,
+    extra_args: dict[str, Any],
+    params: Any,
+    fused: bool,
+  ) -> Callable[[Any, Any, Any], Any]:
+    """A branch's output from `inner`'s updates (None: no update).
+
+    The fused step returns the parameters, `update` the updates. Each
+    overwritten leaf is assigned its gradient where `assign` holds.
+    """
+    if not fused:  # `inner` may return another dtype or structure
+      opt_state = state.inner_state
+      if self._accumulation is not None:
+        opt_state = opt_state.inner_opt_state
+      trained = None if params is None else masked(mask, params)
+      like = jax.eval_shape(
+        lambda: self.inner.update(
+          masked(mask, grads), opt_state, trained, **extra_args
+        )[0]
+      )
+
+    def output(params: Any, updates: Any, assign: Any) -> Any:
+      if fused:
+        base = (
+          params
+          if updates is None
+          else optax.apply_updates(masked(mask, params), updates)
+        )
+        new = lambda g, p: g.astype(p.dtype)  # noqa: E731
+      else:
+        base = optax.tree.zeros_like(like) if updates is None else updates
+        new = lambda g, p: g.astype(p.dtype) - p  # noqa: E731
+      if not any(jax.tree.leaves(mask)):
+        return base
+      keep = lambda p: p if fused else jnp.zeros_like(p)  # noqa: E731
+
+      def pick(m: bool, b: Any, g: Any, p: Any) -> Any:
+        return jnp.where(assign, new(g, p), keep(p)) if m else b
+
+      return jax.tree.map(pick, mask, base, grads, params)
+
+    return output
 
   def _check_inputs(
     self, call: str, grads: Any, state: Any, params: Any

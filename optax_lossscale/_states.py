@@ -161,6 +161,16 @@ class LossScaleOptimizerState(NamedTuple):
     steps: how many steps were taken, applied or skipped (int32).
     last_nonfinite_write: the last skipped step that was given non-finite
       parameters, a `WriteRecord`.
+    grad_norm: the global L2 norm of the last step's unscaled gradients
+      (float32), from the step's one read of them, before clipping;
+      overwritten (FP8) leaves are not in it. On a step skipped for an
+      overflow it is inf or NaN; it is inf, and the step applies, when the
+      gradients are finite but their squares overflow float32. Under
+      accumulation it is the norm of the window's mean gradient so far (of
+      its kept micro-batches): at the window's last micro-batch, the one
+      the optimizer takes.
+    accumulated: how many micro-batches the open accumulation window kept
+      (int32); 0 without accumulation.
 
   A 0.1.0 checkpoint (the first five fields, and a `DynamicLossScale` of two
   leaves) restores as `docs/guides/frameworks.md` shows.
@@ -188,6 +198,8 @@ class LossScaleOptimizerState(NamedTuple):
   last_skip: SkipRecord
   steps: jax.Array
   last_nonfinite_write: WriteRecord
+  grad_norm: jax.Array
+  accumulated: jax.Array
 
 
 def find_states(opt_state: Any, types: tuple[type, ...]) -> list[Any]:

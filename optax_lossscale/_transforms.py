@@ -11,11 +11,11 @@ import optax
 from optax_lossscale import _numerics, _validation
 from optax_lossscale._loss_scale import LossScale
 from optax_lossscale._optimizer import (
-  check,
   check_loss_scale,
   check_structure,
   decide,
 )
+from optax_lossscale._read import check
 from optax_lossscale._states import UnscaleGradientsState, check_dtypes
 
 __all__ = ["unscale_gradients"]

@@ -1,8 +1,11 @@
 """Gradient accumulation: `LossScaleOptimizer(optax.MultiSteps(...))`.
 
-Each micro-batch is checked before it is accumulated: a non-finite one is
-dropped alone and lowers the scale at once; finite ones move the scale once
-per window, when the window's optimizer step is taken.
+Windows follow the loop: the optimizer steps at every k-th micro-batch,
+counting the dropped ones, on the mean of the micro-batches the window
+kept. Each micro-batch is checked before it is accumulated: a non-finite
+one is dropped alone and lowers the scale at once; finite ones raise it
+once per window. `max_norm` clips the window's mean, and `grad_norm` is its
+norm, as `optax.MultiSteps(chain(clip_by_global_norm, inner), k)` would.
 """
 
 from __future__ import annotations
@@ -27,15 +30,15 @@ FLAGS = np.random.default_rng(0).random(30) > 0.25
 def _reference(flags, *, hysteresis, consecutive, scale=2.0**10, period=2):
   """(scale, num_good_steps) after each micro-batch, written out apart.
 
-  A finite micro-batch is a finite step of the loss scale only when it
-  completes its window; a non-finite one is a non-finite step at once, and
-  is not counted in the window.
+  Every micro-batch counts towards its window. A finite micro-batch is a
+  finite step of the loss scale only when it closes its window; a
+  non-finite one is a non-finite step at once.
   """
-  good, bad, mini, out = 0, 0, 0, []
+  good, bad, position, out = 0, 0, 0, []
   for finite in flags:
+    position = (position + 1) % K
     if finite:
-      mini = (mini + 1) % K
-      if mini == 0:
+      if position == 0:
         good += 1
         if consecutive:
           bad = 0
@@ -49,45 +52,92 @@ def _reference(flags, *, hysteresis, consecutive, scale=2.0**10, period=2):
   return out
 
 
-def _inner(form):
-  inner = optax.MultiSteps(optax.sgd(0.1, momentum=0.9), every_k_schedule=K)
-  return inner if form == "MultiSteps" else inner.gradient_transformation()
+def _inner(**options):
+  return optax.MultiSteps(
+    optax.sgd(0.1, momentum=0.9), every_k_schedule=K, **options
+  )
+
+
+class _Windows:
+  """The reference: the mean of each window's kept micro-batches, given to
+  `inner` (after `optax.clip_by_global_norm(max_norm)`) at the window's
+  last micro-batch, counting dropped ones, as PyTorch's loop would.
+  """
+
+  def __init__(self, inner, k, max_norm=None, mean=True):
+    clip = (
+      optax.identity()
+      if max_norm is None
+      else (optax.clip_by_global_norm(max_norm))
+    )
+    self.tx, self.k, self.mean = optax.chain(clip, inner), k, mean
+    self.kept, self.position, self.state = [], 0, None
+    self.norms, self.steps = [], []
+
+  def __call__(self, params, grads, finite):
+    if self.state is None:
+      self.state = self.tx.init(params)
+    if finite:
+      self.kept.append(grads)
+    self.position += 1
+    if self.position < self.k:
+      return params
+    self.position, kept, self.kept = 0, self.kept, []
+    if not kept:
+      return params
+    total = jax.tree.map(lambda *g: sum(g[1:], g[0]), *kept)
+    window = (
+      jax.tree.map(lambda g: g / len(kept), total) if self.mean else total
+    )
+    self.norms.append(float(optax.tree.norm(window)))
+    updates, self.state = self.tx.update(window, self.state, params)
+    self.steps.append(True)
+    return optax.apply_updates(params, updates)
+
+
+def _scaled(grads, scale, finite):
+  scaled = jax.tree.map(lambda g: g * scale, grads)
+  if not finite:
+    scaled["w"] = scaled["w"].at[1].set(jnp.inf)
+  return scaled
 
 
 @pytest.mark.parametrize(
-  ("form", "hysteresis", "consecutive", "value"),
+  ("entry", "hysteresis", "consecutive", "value"),
   [
-    ("MultiSteps", 1, False, False),
-    ("gradient_transformation", 2, False, True),
-    ("MultiSteps", 2, True, True),
+    ("apply_gradients", 1, False, False),
+    ("update", 2, False, True),
+    ("apply_gradients", 2, True, True),
   ],
 )
 def test_the_scale_moves_once_per_window_and_at_once_on_an_overflow(
-  form, hysteresis, consecutive, value
+  entry, hysteresis, consecutive, value
 ):
   ls = ols.DynamicLossScale(
     2.0**10, 2, hysteresis=hysteresis, consecutive_hysteresis=consecutive
   )
-  tx = ols.LossScaleOptimizer(_inner(form), ls)
-  reference = optax.MultiSteps(optax.sgd(0.1, momentum=0.9), every_k_schedule=K)
-  reference_step = jax.jit(reference.update)
+  tx = ols.LossScaleOptimizer(_inner(), ls)
+  reference = _Windows(optax.sgd(0.1, momentum=0.9), K)
   params = expected = {"w": jnp.ones(3), "b": jnp.zeros(2)}
-  state, ref_state = tx.init(params), reference.init(params)
-  step = jax.jit(tx.apply_gradients)
+  state = tx.init(params)
+
+  @jax.jit
+  def step(grads, state, params, **extra):
+    if entry == "apply_gradients":
+      return tx.apply_gradients(grads, state, params, **extra)
+    updates, state = tx.update(grads, state, params, **extra)
+    return optax.apply_updates(params, updates), state
+
   extra = dict(value=jnp.float32(1.0)) if value else {}
   seen = []
   for i, finite in enumerate(FLAGS):
     grads = {"w": jnp.full(3, 0.25 + i), "b": jnp.ones(2)}
-    scale = state.loss_scale()
-    scaled = jax.tree.map(lambda g, s=scale: g * s, grads)
-    if not finite:
-      scaled["w"] = scaled["w"].at[1].set(jnp.inf)
     acc = state.inner_state.acc_grads
-    params, state = step(scaled, state, params, **extra)
-    if finite:
-      updates, ref_state = reference_step(grads, ref_state, expected)
-      expected = optax.apply_updates(expected, updates)
-    else:  # dropped alone: the accumulator is untouched
+    params, state = step(
+      _scaled(grads, state.loss_scale(), finite), state, params, **extra
+    )
+    expected = reference(expected, grads, finite)
+    if not finite and (i + 1) % K:  # dropped alone: the accumulator is kept
       chex.assert_trees_all_equal(state.inner_state.acc_grads, acc)
     seen.append(
       (float(state.loss_scale()), int(state.loss_scale.num_good_steps))
@@ -98,8 +148,129 @@ def test_the_scale_moves_once_per_window_and_at_once_on_an_overflow(
   assert any(b > a for a, b in zip(scales, scales[1:], strict=False))
   assert any(b < a for a, b in zip(scales, scales[1:], strict=False))
   chex.assert_trees_all_close(params, expected, rtol=1e-6)
-  chex.assert_trees_all_close(state.inner_state, ref_state, rtol=1e-6)
+  assert int(state.inner_state.gradient_step) == len(reference.steps)
   assert int(state.skipped_steps) == int((~FLAGS).sum())
+
+
+# The issue's loop, as PyTorch, DeepSpeed and Megatron-LM run it: 24
+# micro-batches, k = 4, micro-batches 5, 6 and 13 overflowing.
+LOOP = [i not in (5, 6, 13) for i in range(24)]
+
+
+@pytest.mark.parametrize("mean", [True, False])
+@pytest.mark.parametrize("entry", ["apply_gradients", "update", "minimize"])
+def test_windows_follow_the_loop_and_clip_the_mean_of_the_kept_ones(
+  entry, mean
+):
+  adamw = optax.adamw(0.05, weight_decay=0.01)
+  multi = optax.MultiSteps(adamw, 4, use_grad_mean=mean)
+  tx = ols.LossScaleOptimizer(multi, ols.DynamicLossScale(2.0**8), max_norm=1.0)
+  reference = _Windows(adamw, 4, max_norm=1.0, mean=mean)
+
+  def loss(p, x):
+    y = (p["w"] * x[0]).astype(jnp.float16) * x[1].astype(jnp.float16)
+    return jnp.sum(y.astype(jnp.float32) ** 2) + jnp.sum(p["b"] * x[0, :2])
+
+  @jax.jit
+  def step(params, state, x):
+    if entry == "minimize":
+      return tx.minimize(loss, params, state, x)[1:]
+    _, grads = ols.scaled_value_and_grad(loss)(state, params, x)
+    if entry == "apply_gradients":
+      return tx.apply_gradients(grads, state, params)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  params = expected = {"w": jnp.linspace(-1.0, 1.0, 6), "b": jnp.ones(2)}
+  state = tx.init(params)
+  steps, norms = [], []
+  for i, finite in enumerate(LOOP):
+    x = jnp.stack(
+      [jnp.full(6, 0.5 + i / 8), jnp.full(6, 1.0 if finite else 1e4)]
+    )
+    grads = jax.grad(loss)(expected, x)
+    params, state = step(params, state, x)
+    expected = reference(expected, grads, finite)
+    if bool(multi.has_updated(state.inner_state)):
+      steps.append(i)
+      norms.append(float(state.grad_norm))
+  assert steps == [3, 7, 11, 15, 19, 23]
+  assert norms == pytest.approx(reference.norms, rel=1e-5)
+  assert max(norms) > 1.0  # the clip acted
+  chex.assert_trees_all_close(params, expected, rtol=2e-5, atol=1e-6)
+  assert int(state.skipped_steps) == 3 and int(state.accumulated) == 0
+
+
+def test_a_window_that_kept_none_is_skipped():
+  tx = ols.LossScaleOptimizer(_inner(), ols.DynamicLossScale(2.0**10))
+  params = {"w": jnp.ones(3), "b": jnp.zeros(2)}
+  state = tx.init(params)
+  grads = {"w": jnp.full(3, 0.5), "b": jnp.ones(2)}
+  step = jax.jit(tx.apply_gradients)
+  params, state = step(grads, state, params)
+  params, state = step(grads, state, params)
+  params, state = step(grads, state, params)  # the first window steps
+  before = (params, state.inner_state.inner_opt_state)
+  for _ in range(K):
+    params, state = step(_scaled(grads, 1.0, False), state, params)
+  chex.assert_trees_all_equal(
+    (params, state.inner_state.inner_opt_state), before
+  )
+  assert int(state.inner_state.gradient_step) == 1
+  assert int(state.inner_state.mini_step) == 0 and int(state.accumulated) == 0
+  assert float(state.loss_scale()) == 2.0**7
+
+
+def test_the_norm_is_of_the_window_so_far_and_of_what_it_kept():
+  tx = ols.LossScaleOptimizer(
+    optax.MultiSteps(optax.sgd(1.0), 4), ols.DynamicLossScale(4.0, 1)
+  )
+  params = {"w": jnp.zeros(2)}
+  state = tx.init(params)
+  norms = []
+  for i, finite in enumerate([True, True, False, False]):
+    grads = {"w": jnp.array([3.0 * (i + 1), 4.0 * (i + 1)])}
+    params, state = tx.apply_gradients(
+      _scaled(grads, state.loss_scale(), True)
+      if finite
+      else {"w": jnp.array([jnp.inf, 0.0])},
+      state,
+      params,
+    )
+    norms.append(float(state.grad_norm))
+  # 5, then the mean of 5 and 10; the dropped ones leave it at 7.5, and the
+  # last step takes that mean.
+  assert norms == [5.0, 7.5, 7.5, 7.5]
+  np.testing.assert_allclose(params["w"], [-4.5, -6.0])
+
+
+def test_a_multisteps_that_skips_by_itself_is_refused():
+  inner = optax.MultiSteps(
+    optax.sgd(0.1), 2, should_skip_update_fn=optax.skip_not_finite
+  )
+  with pytest.raises(
+    ValueError, match="should_skip_update_fn.*skip_not_finite"
+  ):
+    ols.LossScaleOptimizer(inner, ols.DynamicLossScale())
+
+
+def test_a_schedule_of_window_lengths_is_followed():
+  schedule = lambda step: jnp.where(step < 2, 2, 3)  # noqa: E731
+  tx = ols.LossScaleOptimizer(
+    optax.MultiSteps(optax.sgd(0.1), schedule), ols.NoOpLossScale()
+  )
+  params = {"w": jnp.zeros(2)}
+  state = tx.init(params)
+  step = jax.jit(tx.apply_gradients)
+  updated = []
+  for _ in range(10):
+    params, state = step({"w": jnp.ones(2)}, state, params)
+    updated.append(int(state.inner_state.mini_step) == 0)
+  assert updated == [False, True, False, True, False, False, True] + [
+    False,
+    False,
+    True,
+  ]
 
 
 def _float16_loss(p, x):
@@ -111,9 +282,7 @@ def _float16_loss(p, x):
 @functools.cache
 def _minimize():
   """An accumulating optimizer and its `minimize` step, compiled once."""
-  tx = ols.LossScaleOptimizer(
-    _inner("MultiSteps"), ols.DynamicLossScale(2.0**10, 2)
-  )
+  tx = ols.LossScaleOptimizer(_inner(), ols.DynamicLossScale(2.0**10, 2))
   step = jax.jit(
     lambda p, s, x: tx.minimize(_float16_loss, p, s, x, max_retries=1)
   )
@@ -127,12 +296,12 @@ def test_minimize_with_retries_moves_the_scale_once_per_window():
   # A batch of 1000 overflows at 2**7 and above: from 2**10, the retry at
   # 2**9 overflows too, the batch is dropped and the scale drops to 2**8.
   # Finite batches then move the scale once per window of three (the
-  # dropped batch is not counted in its window).
+  # dropped batch counts towards its window).
   seen = []
   for x in [1.0, 1000.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]:
     _, params, state = step(params, state, jnp.full(2, x))
     seen.append(float(state.loss_scale()))
-  assert seen == [2.0**10] + [2.0**8] * 5 + [2.0**9] * 2
+  assert seen == [2.0**10] + [2.0**8] * 4 + [2.0**9] * 3
   assert int(state.skipped_steps) == 1 and int(state.retries) == 1
 
 

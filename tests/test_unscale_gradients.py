@@ -166,43 +166,23 @@ def test_a_skip_after_it_backs_off_and_a_skip_before_it_stalls(pairing):
 # --- structure ----------------------------------------------------------------------
 
 
-def test_it_checks_the_incoming_gradients_once_and_unscales_for_the_chain():
-  # The check reads the gradients as they come (unscaling by a scale of at
-  # least 1 cannot overflow): the unscaling has one consumer, the rest of
-  # the chain, and fuses into it.
+def test_it_reads_the_incoming_gradients_once_and_never_skips():
+  # One sum of squares per leaf (the small exact check runs only when it is
+  # not finite); the unscaled gradients go on to the rest of the chain.
   n, shape = 4, (70, 70)
   tx = optax.chain(
     ols.unscale_gradients(ols.DynamicLossScale()), optax.adam(1e-3)
   )
   params = {f"p{i}": jnp.ones(shape) for i in range(n)}
   jaxpr = jax.make_jaxpr(tx.update)(params, tx.init(params), params).jaxpr
-  inputs = set(jaxpr.invars[:n])
-  producer = {v: e for e in jaxpr.eqns for v in e.outvars}
-
-  def sources(var):
-    """The jaxpr inputs `var` is computed from, and the primitives between."""
-    if var not in producer:
-      return {var}, set()
-    eqn = producer[var]
-    found, names = set(), {eqn.primitive.name}
-    for v in eqn.invars:
-      if isinstance(v, jax.extend.core.Var):
-        more, more_names = sources(v)
-        found |= more
-        names |= more_names
-    return found, names
-
-  checked, reduced = set(), 0
-  for e in jaxpr.eqns:
-    reductions = (lax.reduce_and_p, lax.reduce_min_p)
-    if e.primitive in reductions and e.invars[0].aval.size > n:
-      found, names = sources(e.invars[0])
-      assert not names & {"mul", "div"}, names
-      checked |= found & inputs
-      reduced += e.invars[0].aval.size
-  assert checked == inputs
+  reduced = sum(
+    e.invars[0].aval.size
+    for e in jaxpr.eqns
+    if e.primitive is lax.reduce_sum_p and e.invars[0].aval.size > n
+  )
   assert reduced == n * shape[0] * shape[1]
-  assert not any(e.primitive is lax.cond_p for e in jaxpr.eqns)  # no skip
+  conds = [e for e in jaxpr.eqns if e.primitive is lax.cond_p]
+  assert [[v.aval.shape for v in e.outvars] for e in conds] == [[(n,)]]
 
 
 def test_a_cast_state_is_named_at_trace_time():

@@ -1,0 +1,120 @@
+"""The one read of a step's gradients: the verdict, the flags, the norm."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_lossscale import _cond, _numerics, _validation
+from optax_lossscale._loss_scale import LossScale
+
+
+class Checks(NamedTuple):
+  """What a step's read of the gradients found, agreed across replicas.
+
+  `grads_finite`: every gradient is finite once unscaled (exactly).
+  `loss_finite`: None when no loss was given.
+  `flags`: per gradient leaf, whether it is finite once unscaled.
+  `norm`: the global L2 norm of the gradient the optimizer takes (float32).
+  """
+
+  grads_finite: jax.Array
+  loss_finite: jax.Array | None
+  flags: jax.Array
+  norm: jax.Array
+
+
+class Window(NamedTuple):
+  """An open accumulation window: the mean (or sum) of the micro-batches
+  it kept (`acc`, `optax.MaskedNode` at overwritten leaves), and how many.
+  """
+
+  acc: Any
+  kept: jax.Array
+  mean: bool
+
+
+def masked(mask: Any, tree: Any) -> Any:
+  """`tree` with an `optax.MaskedNode` at each overwritten leaf."""
+  return jax.tree.map(lambda m, x: optax.MaskedNode() if m else x, mask, tree)
+
+
+def with_micro_batch(window: Window | None, unscaled: Any) -> Any:
+  """The window's gradient with this micro-batch in (`unscaled` without one).
+
+  The mean is `optax.MultiSteps`' running mean, in the accumulator's dtype.
+  """
+  if window is None:
+    return unscaled
+
+  def add(u: jax.Array, acc: jax.Array) -> jax.Array:
+    u = u.astype(acc.dtype)
+    if not window.mean:
+      return acc + u
+    return acc + (u - acc) / (window.kept + 1).astype(acc.dtype)
+
+  return jax.tree.map(add, unscaled, window.acc)
+
+
+def check(
+  call: str,
+  loss_scale: LossScale,
+  grads: Any,
+  value: Any,
+  axis_name: _numerics.AxisName,
+  overwritten: Any = None,
+  window: Window | None = None,
+) -> Checks:
+  """Reads the gradients once: the sum of the squares of the unscaled ones.
+
+  A finite sum means every gradient is finite, and gives the norm. A sum
+  that is not finite (an overflow, or squares beyond float32) sends the
+  step to a small conditional that checks each leaf exactly. Overwritten
+  leaves (`overwritten`, bools per leaf) are checked as they are and are
+  not in the norm. With a `window`, the norm is that of the window's mean
+  with this micro-batch in if it is kept, else without it.
+  """
+  if value is not None and not jnp.issubdtype(
+    jnp.result_type(value), jnp.inexact
+  ):
+    raise TypeError(
+      f"`{call}(..., value=...)` must be the loss, a floating-point array,"
+      f" got {_validation.describe(value)}."
+    )
+  mask = (
+    jax.tree.map(lambda _: False, grads) if overwritten is None else overwritten
+  )
+  unscaled = loss_scale.unscale(grads)
+  gradient = with_micro_batch(window, masked(mask, unscaled))
+  squares = _numerics.sum_of_squares(jax.tree.leaves(gradient), axis_name)
+  pairs = zip(jax.tree.leaves(mask), jax.tree.leaves(grads), strict=True)
+  others = [g for m, g in pairs if m]
+  local = [jnp.isfinite(squares + _numerics.sum_of_squares(others, axis_name))]
+  if value is not None:
+    local.append(jnp.all(jnp.isfinite(value)))
+  agreed = _numerics.agree(jnp.stack(local), axis_name)
+  loss_finite = None if value is None else agreed[1]
+
+  def exact() -> tuple[jax.Array, jax.Array]:
+    # Unscaled here, not closed over: a conditional's operands are buffers.
+    pick = lambda m, g, u: g if m else u  # noqa: E731
+    checked = jax.tree.map(pick, mask, grads, loss_scale.unscale(grads))
+    flags = _numerics.finite_flags(jax.tree.leaves(checked))
+    flags = _numerics.agree(flags, axis_name)
+    kept = squares
+    if window is not None:
+      acc = _numerics.sum_of_squares(jax.tree.leaves(window.acc), axis_name)
+      micro_batch = jnp.all(flags) & (True if value is None else agreed[1])
+      kept = jnp.where(micro_batch | (window.kept == 0), squares, acc)
+    return flags, kept
+
+  def fast() -> tuple[jax.Array, jax.Array]:
+    return jnp.ones((len(jax.tree.leaves(grads)),), jnp.bool_), squares
+
+  flags, squares = _cond.switch(
+    jnp.all(agreed).astype(jnp.int32), [exact, fast], sharded_like=grads
+  )
+  return Checks(jnp.all(flags), loss_finite, flags, jnp.sqrt(squares))
