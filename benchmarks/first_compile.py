@@ -56,7 +56,7 @@ TOP_PASSES = 6
 Config = Callable[[float], tuple[Any, Any]]
 
 
-def _adam_in_one_cond(lr: float, unscale: bool = False) -> tuple[Any, Any]:
+def adam_in_one_cond(lr: float, unscale: bool = False) -> tuple[Any, Any]:
   """Plain Adam inside one `lax.cond` on a gradient's finiteness.
 
   The conditional's own cost, which any step that skips with one pays: no
@@ -92,8 +92,8 @@ def configs(baseline: Any | None, rev: str) -> dict[str, Config]:
   """The configurations, by column name, plain Adam first."""
   out: dict[str, Config] = {
     "plain adam": lambda lr: step_overhead.optax_step(optax.adam(lr)),
-    "adam in one lax.cond": _adam_in_one_cond,
-    "adam in one lax.cond, unscaled": lambda lr: _adam_in_one_cond(
+    "adam in one lax.cond": adam_in_one_cond,
+    "adam in one lax.cond, unscaled": lambda lr: adam_in_one_cond(
       lr, unscale=True
     ),
   }

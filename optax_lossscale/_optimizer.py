@@ -1,4 +1,4 @@
-"""`LossScaleOptimizer`: unscale, check, update or skip, in one step."""
+"""`LossScaleOptimizer`: unscale, check, clip, update or skip, in one step."""
 
 from __future__ import annotations
 
