@@ -88,7 +88,7 @@ def _rows(vectors: list[jax.Array]) -> jax.Array:
 
 def _pieces(arrays: list[jax.Array]) -> list[_Piece]:
   """The float leaves as they are read: in place, or stacked when small."""
-  pieces, small = [], {}
+  pieces, small = [], {}  # type: list[_Piece], dict[Any, list[int]]
   for i, x in enumerate(arrays):
     if is_float(x) and x.size <= _SMALL and _whole(x):
       small.setdefault((x.dtype, varying_axes(x)), []).append(i)
@@ -119,12 +119,14 @@ def sum_of_squares(leaves: Sequence[Any], axis_name: AxisName) -> jax.Array:
   that vary along axes of `axis_name` (their blocks differ) are summed
   across those axes: only scalars cross devices, and replicas count once.
   """
-  names, by_axes = _axis_names(axis_name), {}
+  names = _axis_names(axis_name)
+  by_axes: dict[frozenset[Any], list[jax.Array]] = {}
   for piece in _pieces([jnp.asarray(x) for x in leaves]):
     x = piece.array
     parts = (jnp.real(x), jnp.imag(x)) if jnp.iscomplexobj(x) else (x,)
     wide = [p.astype(jnp.float32) if p.dtype.itemsize < 4 else p for p in parts]
-    total = sum(jnp.sum(jnp.square(p)).astype(jnp.float32) for p in wide)
+    squares = [jnp.sum(jnp.square(p)).astype(jnp.float32) for p in wide]
+    total = squares[0] if len(squares) == 1 else squares[0] + squares[1]
     by_axes.setdefault(varying_axes(x) & names, []).append(total)
   out = jnp.zeros((), jnp.float32)
   for axes, sums in by_axes.items():

@@ -620,7 +620,10 @@ class LossScaleOptimizer:
         call, state.loss_scale, grads, value, self.axis_name, mask, window
       )
       retries: jax.Array | int = 0
-      tried, held = state.loss_scale, jnp.array(False)
+      held: jax.Array | bool
+      # A Python bool: a constant array closed over by a branch fails `vmap`
+      # over Explicit-sharded members (an unbatched operand of no mesh).
+      tried, held = state.loss_scale, False
     else:
       checks, tried = attempt.checks, attempt.loss_scale
       held, retries = attempt.held, attempt.retries
@@ -645,7 +648,7 @@ class LossScaleOptimizer:
     out, inner, wrote = _cond.switch(
       index, branches, *operands, sharded_like=grads
     )
-    dropped = ~should_apply & ~held
+    dropped = ~should_apply & jnp.logical_not(held)
     last_skip = tree_where(
       dropped, _skip_record(state, tried, loss_scale, checks), state.last_skip
     )
@@ -673,7 +676,7 @@ class LossScaleOptimizer:
     Branches: 0 skips; without accumulation 1 steps; with it 1 accumulates
     and 2 steps, at the window's last micro-batch if it kept any.
     """
-    applies = should_apply & ~held
+    applies = should_apply & jnp.logical_not(held)
     if self._accumulation is None:
       return applies.astype(jnp.int32), jnp.array(True), None
     window = state.inner_state
@@ -681,7 +684,7 @@ class LossScaleOptimizer:
     closes = window.mini_step + 1 >= k
     kept = state.accumulated + applies.astype(jnp.int32)
     index = jnp.where(closes & (kept > 0), 2, applies.astype(jnp.int32))
-    moved = ~held & closes
+    moved = jnp.logical_not(held) & closes
     counters = (
       jnp.where(
         held, window.mini_step, jnp.where(closes, 0, window.mini_step + 1)
@@ -699,7 +702,7 @@ class LossScaleOptimizer:
     state: LossScaleOptimizerState,
     checks: Checks,
     kept: jax.Array,
-    held: jax.Array,
+    held: jax.Array | bool,
     extra_args: dict[str, Any],
     params: Any,
     fused: bool,

@@ -495,6 +495,71 @@ def _every_function(mesh):
       assert not bool(finite(_tree(mesh, 1.0, [(leaf, index, np.nan)])))
 
 
+def check_global_norm():
+  # The norm is the global one: under jit on a mesh, sharded leaves sum
+  # their shards and replicated ones count once; the clip uses it.
+  mesh = _mesh((2, 4), XY)
+  with jax.set_mesh(mesh):
+    grads, params = _tree(mesh, 2.0**8), _tree(mesh, 1.0)
+    host = {k: np.asarray(x, np.float64) / 2**8 for k, x in grads.items()}
+    norm = np.sqrt(sum(np.sum(x**2) for x in host.values()))
+    tx = ols.LossScaleOptimizer(
+      optax.sgd(1.0), ols.DynamicLossScale(2.0**8), max_norm=norm / 2
+    )
+    step = jax.jit(tx.apply_gradients)
+    new, state = step(grads, tx.init(params), params)
+    np.testing.assert_allclose(float(state.grad_norm), norm, rtol=1e-5)
+    _assert_kept(new, "clipped parameters")
+    for k, x in new.items():  # clipped to half the norm
+      expected = np.asarray(params[k], np.float32) - host[k] / 2
+      _assert_close(x, expected, ("clipped", k))
+    _no_gradient_moves(step.lower(grads, state, params).compile(), "norm")
+  # Inside shard_map, the blocks of gradients that vary along axis_name are
+  # summed across it (FSDP); gradients that do not vary count once.
+  mesh = _mesh((N,), ("i",))
+  blocks = np.arange(1.0, 4 * N + 1, dtype=np.float32).reshape(N, 4)
+  tx = ols.LossScaleOptimizer(
+    optax.sgd(0.1), ols.NoOpLossScale(), axis_name="i"
+  )
+  state = tx.init({"w": jnp.zeros((1, 4))})
+  for spec, grads, expected in [
+    (P("i"), blocks, np.linalg.norm(blocks)),
+    (P(), blocks[:1], np.linalg.norm(blocks[0])),
+  ]:
+
+    @jax.jit
+    @partial(
+      jax.shard_map, mesh=mesh, in_specs=(spec, P(), spec), out_specs=P()
+    )
+    def norm_of(params, state, grads):
+      return tx.update(grads, state, params)[1].grad_norm
+
+    sharded = NamedSharding(mesh, spec)
+    zeros = jax.device_put({"w": np.zeros_like(grads)}, sharded)
+    found = norm_of(zeros, state, jax.device_put({"w": grads}, sharded))
+    np.testing.assert_allclose(float(found), expected, rtol=1e-6)
+
+
+def check_pmap_global_norm():
+  # Under pmap, gradients averaged across the replicas count once.
+  tx = ols.LossScaleOptimizer(
+    optax.sgd(0.1), ols.NoOpLossScale(), axis_name="i"
+  )
+  params = {"w": jnp.zeros(4)}
+  state = tx.init(params)
+  grads = np.arange(1.0, 4 * N + 1, dtype=np.float32).reshape(N, 4)
+
+  def step(params, state, grads):
+    grads = jax.lax.pmean(grads, "i")
+    return tx.update(grads, state, params)[1].grad_norm
+
+  stack = lambda x: jnp.stack([x] * N)  # noqa: E731
+  found = jax.pmap(step, axis_name="i")(
+    jax.tree.map(stack, params), jax.tree.map(stack, state), {"w": grads}
+  )
+  np.testing.assert_allclose(found, np.linalg.norm(grads.mean(0)), rtol=1e-6)
+
+
 def _orbax_round_trip(state):
   """`state` saved and restored with Orbax into a target of its shardings."""
   import orbax.checkpoint as ocp

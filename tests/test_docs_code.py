@@ -3,8 +3,8 @@
 Each page's python blocks run in a fresh process, in the order they appear,
 as a reader would paste them; the pages run side by side. A page that uses
 a deprecated name of optax_lossscale fails: the docs show the current API
-only. The multi-device page runs on 8 host CPU devices, the others under
-JAX's defaults.
+only. The multi-device page runs on 8 host CPU devices and the LLM stack's on
+4, the others under JAX's defaults.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import optax_lossscale
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "optax_lossscale"
 # Pages whose code needs several devices, and how many.
-DEVICES = {"docs/multidevice.md": 8}
+DEVICES = {"docs/multidevice.md": 8, "docs/guides/llm_stack.md": 4}
 # Any DeprecationWarning that optax_lossscale gives is an error in a page.
 NO_DEPRECATED = "error:`optax_lossscale.:DeprecationWarning"
 # The pages test what their code does, not how fast it runs: less LLVM

@@ -35,9 +35,11 @@ PMAP_CHECKS = [
   "pmap_replicas_agree",
   "pmap_docs_step",
   "pmap_minimize_retries_agree",
+  "pmap_global_norm",
 ]
 MESH_CHECKS = [
   "shard_map",
+  "global_norm",
   "jmp_select_tree_in_shard_map",
   "every_function",
   "sharded_step_differentiates_in_reverse_mode",
@@ -47,7 +49,7 @@ MESH_CHECKS = [
 # Under Auto axes too: the library reads shardings from the types only under
 # Explicit axes. (Inside `shard_map` every axis is Manual, whatever its
 # type.)
-UNDER_AUTO = ["every_function", "vmap_members_sharded_inside"]
+UNDER_AUTO = ["every_function", "global_norm", "vmap_members_sharded_inside"]
 RUNS = {"explicit": MESH_CHECKS, "auto": PMAP_CHECKS + UNDER_AUTO}
 
 

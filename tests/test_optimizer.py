@@ -1135,3 +1135,172 @@ def test_parameters_other_than_init_s_are_named():
       ValueError, match=r"2 leaves, `init` had 1 .*TrainState"
     ):
       call()
+
+
+# --- the norm and the clip, from the one read -----------------------------------
+
+
+def _clip_step(entry, tx):
+  """`entry`'s step of `tx` as `(grads, state, params) -> (params, state)`."""
+  if entry == "update":
+
+    def step(grads, state, params):
+      updates, state = tx.update(grads, state, params)
+      return optax.apply_updates(params, updates), state
+
+  elif entry == "gradient_transformation":
+    chain = optax.chain(tx.gradient_transformation())
+
+    def step(grads, state, params):
+      updates, (state,) = chain.update(grads, (state,), params)
+      return optax.apply_updates(params, updates), state
+
+  elif entry.startswith("minimize"):
+    retries = 2 if entry == "minimize-retries" else 0
+
+    def step(grads, state, params):
+      # A linear loss whose gradient is `grads`, unscaled.
+      loss = lambda p: sum(  # noqa: E731
+        jnp.vdot(g / state.loss_scale(), x)
+        for g, x in zip(jax.tree.leaves(grads), jax.tree.leaves(p), strict=True)
+      )
+      return tx.minimize(loss, params, state, max_retries=retries)[1:]
+
+  else:
+    step = tx.apply_gradients
+  return jax.jit(step)
+
+
+@pytest.mark.parametrize(
+  "entry",
+  [
+    "update",
+    "apply_gradients",
+    "minimize",
+    "minimize-retries",
+    "gradient_transformation",
+  ],
+)
+def test_max_norm_clips_as_optax_does_and_the_norm_is_logged(entry):
+  tx = ols.LossScaleOptimizer(
+    optax.adamw(0.1), ols.DynamicLossScale(8.0, 2), max_norm=1.5
+  )
+  reference = optax.chain(optax.clip_by_global_norm(1.5), optax.adamw(0.1))
+  step = _clip_step(entry, tx)
+  params = expected = _params()
+  state, ref_state = tx.init(params), reference.init(params)
+  for t in range(6):
+    grads = jax.tree.map(lambda g, t=t: g * (0.5 + t), _unscaled(t, params))
+    params, state = step(_scaled(grads, state), state, params)
+    norm = float(optax.tree.norm(grads))
+    if t == 3:  # skipped: its norm is not finite
+      assert not bool(state.should_apply) and not np.isfinite(state.grad_norm)
+      continue
+    updates, ref_state = reference.update(grads, ref_state, expected)
+    expected = optax.apply_updates(expected, updates)
+    assert bool(state.should_apply)
+    np.testing.assert_allclose(state.grad_norm, norm, rtol=1e-6)
+    assert state.grad_norm.dtype == jnp.float32
+    chex.assert_trees_all_close(params, expected, rtol=1e-5, atol=1e-6)
+  assert norm > 1.5  # the clip acted
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_half_gradients_are_clipped_in_their_dtype_and_normed_in_float32(
+  dtype,
+):
+  tx = ols.LossScaleOptimizer(
+    optax.sgd(1.0), ols.FixedLossScale(4.0), max_norm=1.0
+  )
+  # 300 entries of 100: a norm of about 1732, whose square overflows float16.
+  grads = {"w": jnp.full((300,), 400.0, dtype), "b": jnp.full((2,), 4.0, dtype)}
+  params = jax.tree.map(jnp.zeros_like, grads)
+  new, state = jax.jit(tx.apply_gradients)(grads, tx.init(params), params)
+  norm = np.sqrt(300 * 100.0**2 + 2)
+  np.testing.assert_allclose(state.grad_norm, norm, rtol=1e-6)
+  assert {x.dtype for x in jax.tree.leaves(new)} == {jnp.dtype(dtype)}
+  np.testing.assert_allclose(
+    np.asarray(new["w"], np.float32), -100.0 / norm, rtol=1e-2
+  )
+
+
+def test_finite_gradients_whose_squares_overflow_are_applied():
+  # float32's largest finite values: the sum of squares overflows, the exact
+  # check runs and finds every leaf finite. The norm is inf, and the clip
+  # then zeroes the step, as Optax's does.
+  big = float(np.finfo(np.float32).max)
+  grads = {"w": jnp.array([big, -big]), "b": jnp.ones(3)}
+  params = jax.tree.map(jnp.zeros_like, grads)
+  for max_norm in (None, 1.0):
+    tx = ols.LossScaleOptimizer(
+      optax.sgd(0.0), ols.NoOpLossScale(), max_norm=max_norm
+    )
+    new, state = jax.jit(tx.apply_gradients)(grads, tx.init(params), params)
+    assert bool(state.should_apply) and int(state.skipped_steps) == 0
+    assert float(state.grad_norm) == np.inf
+    chex.assert_trees_all_equal(new, params)
+  # TensorFlow's rule, bit for bit: such a step grows nothing it should not.
+  ls = ols.DynamicLossScale(2.0, 1)
+  tx = ols.LossScaleOptimizer(optax.sgd(0.0), ls)
+  _, state = tx.apply_gradients(
+    jax.tree.map(lambda g: g * 2, {"w": jnp.array([big / 2])}),
+    tx.init({"w": jnp.zeros(1)}),
+    {"w": jnp.zeros(1)},
+  )
+  assert bool(state.should_apply) and float(state.loss_scale()) == 4.0
+
+
+def test_each_member_of_an_ensemble_has_its_own_norm():
+  tx = ols.LossScaleOptimizer(
+    optax.sgd(0.1), ols.FixedLossScale(2.0), max_norm=4.0
+  )
+  k = np.arange(1.0, 5.0)[:, None]
+  members = k * np.array([[3.0, 4.0]])  # norms 5, 10, 15 and 20
+  params = {"w": jnp.zeros((4, 2))}
+  state = jax.vmap(tx.init)(params)
+  new, state = jax.jit(jax.vmap(tx.apply_gradients))(
+    {"w": jnp.asarray(members * 2)}, state, params
+  )
+  np.testing.assert_allclose(state.grad_norm, 5.0 * k[:, 0], rtol=1e-6)
+  clipped = members * 4.0 / (5.0 * k)  # each clipped to norm 4
+  np.testing.assert_allclose(new["w"], -0.1 * clipped, rtol=1e-6)
+
+
+def test_overwritten_leaves_are_not_in_the_norm_nor_clipped():
+  tx = ols.LossScaleOptimizer(
+    optax.sgd(1.0), ols.FixedLossScale(2.0), max_norm=1.0
+  )
+  params = {
+    "w": jnp.zeros(2),
+    "_overwrite_with_gradient": {"amax": jnp.zeros(3)},
+  }
+  grads = {
+    "w": jnp.array([6.0, 8.0]),
+    "_overwrite_with_gradient": {"amax": jnp.full(3, 100.0)},
+  }
+  new, state = tx.apply_gradients(grads, tx.init(params), params)
+  assert float(state.grad_norm) == 5.0
+  np.testing.assert_allclose(new["w"], [-0.6, -0.8], rtol=1e-6)
+  np.testing.assert_array_equal(new["_overwrite_with_gradient"]["amax"], 100.0)
+
+
+@pytest.mark.parametrize(
+  ("max_norm", "error", "match"),
+  [
+    (0.0, ValueError, r"max_norm=\.\.\.\)` must be positive, got 0.0"),
+    (-1, ValueError, "must be positive"),
+    (float("inf"), ValueError, "max_norm=.*finite"),
+    ("1", TypeError, "max_norm=.*real number"),
+    (True, TypeError, "max_norm=.*real number"),
+    (jnp.float32(1.0), None, None),
+  ],
+)
+def test_max_norm_is_validated(max_norm, error, match):
+  make = lambda: ols.LossScaleOptimizer(  # noqa: E731
+    optax.sgd(1.0), ols.NoOpLossScale(), max_norm=max_norm
+  )
+  if error is None:
+    assert make().max_norm == 1.0
+    return
+  with pytest.raises(error, match=match):
+    make()
