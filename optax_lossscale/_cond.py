@@ -57,7 +57,7 @@ def switch(
   under JAX 0.10.2 without it.
   """
   if not _numerics.explicit_axes(jax.tree.leaves((operands, sharded_like))):
-    return lax.switch(index, branches, *operands)
+    return _nested(index, list(branches), operands)
   # custom_vmap takes no batched value closed over: they become operands.
   funs, consts = zip(*(_hoist(f, operands) for f in branches), strict=True)
 
@@ -84,6 +84,18 @@ def switch(
     )
 
   return differentiable(index, list(consts), operands)
+
+
+def _nested(
+  index: Any, branches: list[Callable[..., Any]], operands: Any
+) -> Any:
+  """`lax.switch` as nested two-way conditionals, each with the first of its
+  branches first: a buffer that a branch passes on is copied by XLA (0.10)
+  unless the branch is a two-way conditional's first (jax#39449)."""
+  if len(branches) == 1:
+    return branches[0](*operands)
+  rest = lambda *ops: _nested(index - 1, branches[1:], ops)  # noqa: E731
+  return lax.cond(index > 0, rest, branches[0], *operands)
 
 
 def _batched(

@@ -262,8 +262,8 @@ class LossScaleOptimizer:
   the window kept; a window that kept none is skipped. Each micro-batch is
   checked before it is accumulated, and a non-finite one is dropped alone:
   it lowers the loss scale at once, and finite ones raise it once per
-  window. `max_norm` clips the window's gradient, and `grad_norm` is its
-  norm so far. The state's `inner_state` is an `optax.MultiStepsState`.
+  window. `max_norm` clips the window's gradient, and at the window's last
+  micro-batch `grad_norm` is its norm. The state's `inner_state` is an `optax.MultiStepsState`.
 
   An applied step can write non-finite parameters from finite gradients (a
   float16 Adam state divides 0 by 0); the next steps then skip. A skipped
@@ -576,11 +576,10 @@ class LossScaleOptimizer:
         call, found.grads, state, params, extra_args, True, found
       )
 
-    mask, window = self._mask, self._window(state)
     value, (params, state) = _retry.retry(
       lambda ls, operand: attempt(ls, operand[0]),
       lambda ls, value, g: check(
-        call, ls, g, loss_of(value), self.axis_name, mask(call, g), window
+        call, ls, g, loss_of(value), self.axis_name, self._mask(call, g)
       ),
       finish,
       state.loss_scale,
@@ -613,58 +612,45 @@ class LossScaleOptimizer:
     follows (`held`) writes nothing; that is folded into the one conditional
     (a second would make XLA copy what the retry loop carries).
     """
-    mask, window = self._mask(call, grads), self._window(state)
-    if attempt is None:
+    mask = self._mask(call, grads)
+    if attempt is None:  # `held` a Python bool: a constant array closed over
+      # by a branch fails `vmap` over Explicit-sharded members.
       value = extra_args.get("value")
-      checks = check(
-        call, state.loss_scale, grads, value, self.axis_name, mask, window
-      )
-      retries: jax.Array | int = 0
-      held: jax.Array | bool
-      # A Python bool: a constant array closed over by a branch fails `vmap`
-      # over Explicit-sharded members (an unbatched operand of no mesh).
-      tried, held = state.loss_scale, False
-    else:
-      checks, tried = attempt.checks, attempt.loss_scale
-      held, retries = attempt.held, attempt.retries
-    loss_scale, should_apply = self._decide(state, tried, checks, retries)
+      checks = check(call, state.loss_scale, grads, value, self.axis_name, mask)
+      attempt = _retry.Attempt(value, grads, state.loss_scale, checks, 0, False)
+    tried, checks, held = attempt.loss_scale, attempt.checks, attempt.held
+    loss_scale, should_apply = self._decide(
+      state, tried, checks, attempt.retries
+    )
     index, closes, counters = self._schedule(state, should_apply, held)
     branches = self._branches(
-      mask,
-      tried,
-      grads,
-      state,
-      checks,
-      should_apply,
-      held,
-      extra_args,
-      params,
-      fused,
-    )
+      mask, tried, grads, params, state, checks, should_apply, held,
+      extra_args, fused,
+    )  # fmt: skip
     # The skip stays branch 0: XLA's conditional passes donated buffers
     # through it uncopied (jax#39449; other orders copy each:
     # tests/test_accelerator_ready.py).
     operands = (params, state.inner_state, state.last_nonfinite_write)
-    out, inner, wrote = _cond.switch(
+    out, inner, wrote, norm = _cond.switch(
       index, branches, *operands, sharded_like=grads
     )
+    skip = _skip_record(state, tried, loss_scale, checks)
     dropped = ~should_apply & jnp.logical_not(held)
-    last_skip = tree_where(
-      dropped, _skip_record(state, tried, loss_scale, checks), state.last_skip
-    )
     # A kept micro-batch that leaves its window open holds the scale (unless
     # it was recomputed: that is an overflow).
-    hold = should_apply & ~closes & (retries == 0)
+    hold = should_apply & ~closes & (attempt.retries == 0)
     loss_scale = tree_where(hold, state.loss_scale, loss_scale)
-    new = _next_state(state, loss_scale, should_apply, checks, retries)
+    new = _next_state(state, loss_scale, should_apply, checks, attempt.retries)
     if counters is not None:
-      mini_step, gradient_step, accumulated = counters
-      inner = inner._replace(mini_step=mini_step, gradient_step=gradient_step)
-      new = new._replace(accumulated=accumulated)
+      inner = inner._replace(mini_step=counters[0], gradient_step=counters[1])
+      new = new._replace(accumulated=counters[2])
     new = new._replace(
-      inner_state=inner, last_skip=last_skip, last_nonfinite_write=wrote
+      inner_state=inner,
+      last_skip=tree_where(dropped, skip, state.last_skip),
+      last_nonfinite_write=wrote,
+      grad_norm=norm,
     )
-    if attempt is not None:  # a held attempt keeps the scale and counters
+    if held is not False:  # a held attempt keeps the scale and counters
       new = tree_where(held, state._replace(inner_state=inner), new)
     return out, new
 
@@ -673,80 +659,83 @@ class LossScaleOptimizer:
   ) -> tuple[jax.Array, jax.Array, tuple[jax.Array, ...] | None]:
     """The branch, whether a window closes, and the window's counters.
 
-    Branches: 0 skips; without accumulation 1 steps; with it 1 accumulates
-    and 2 steps, at the window's last micro-batch if it kept any.
+    Branch 0 skips; without accumulation 1 steps; with it 1 accumulates
+    and 2 steps, at the window's last micro-batch if the window kept any.
     """
-    applies = should_apply & jnp.logical_not(held)
+    applies = (should_apply & jnp.logical_not(held)).astype(jnp.int32)
     if self._accumulation is None:
-      return applies.astype(jnp.int32), jnp.array(True), None
-    window = state.inner_state
+      return applies, jnp.array(True), None
+    window, held = state.inner_state, jnp.asarray(held)
     k = self._accumulation.every_k(window.gradient_step)
     closes = window.mini_step + 1 >= k
-    kept = state.accumulated + applies.astype(jnp.int32)
-    index = jnp.where(closes & (kept > 0), 2, applies.astype(jnp.int32))
-    moved = jnp.logical_not(held) & closes
-    counters = (
-      jnp.where(
-        held, window.mini_step, jnp.where(closes, 0, window.mini_step + 1)
+    kept = state.accumulated + applies
+    index = jnp.where(closes & (kept > 0), 2, applies)
+    position = jnp.where(closes, 0, window.mini_step + 1)
+    return (
+      index,
+      closes,
+      (
+        jnp.where(held, window.mini_step, position),
+        window.gradient_step + (index == 2).astype(jnp.int32),
+        jnp.where(held, state.accumulated, jnp.where(closes, 0, kept)),
       ),
-      window.gradient_step + (index == 2).astype(jnp.int32),
-      jnp.where(held, state.accumulated, jnp.where(moved, 0, kept)),
     )
-    return index, closes, counters
 
   def _branches(
     self,
     mask: Any,
     loss_scale: LossScale,
     grads: Any,
+    params: Any,
     state: LossScaleOptimizerState,
     checks: Checks,
     kept: jax.Array,
     held: jax.Array | bool,
     extra_args: dict[str, Any],
-    params: Any,
     fused: bool,
   ) -> list[_Branch]:
-    """The conditional's branches: skip, (accumulate,) step."""
-    window, trained = self._window(state), lambda p: masked(mask, p)
-    output = self._output(mask, grads, state, extra_args, params, fused)
-
-    def gradient() -> Any:  # the window's, with this micro-batch if kept
-      unscaled = masked(mask, loss_scale.unscale(grads))
-      new = with_micro_batch(window, unscaled)
-      if window is None:
-        return new
-      pick = lambda n, a: jnp.where(kept, n, a)  # noqa: E731
-      return jax.tree.map(pick, new, window.acc)
+    """The branches: skip, (accumulate,) step. Each returns the output, the
+    inner state, the write record and the norm (at a window's step, the
+    window's)."""
+    window = self._window(state)
+    trained = lambda p: None if p is None else masked(mask, p)  # noqa: E731
+    opt = lambda inner: inner if window is None else inner.inner_opt_state  # noqa: E731
+    output = self._output(
+      mask, grads, params, opt(state.inner_state), extra_args, fused
+    )
 
     def skip(params: Any, inner: Any, wrote: Any) -> Any:
       new = _write_record(state, params, self.axis_name)
-      return output(params, None, False), inner, tree_where(held, wrote, new)
+      new = tree_where(held, wrote, new)
+      return output(params, None, False), inner, new, checks.norm
+
+    def gradient() -> Any:  # the window's, with this micro-batch if kept
+      unscaled = trained(loss_scale.unscale(grads))
+      if window is None:
+        return unscaled
+      new = with_micro_batch(window, unscaled)
+      return jax.tree.map(lambda n, a: jnp.where(kept, n, a), new, window.acc)
 
     def accumulate(params: Any, inner: Any, wrote: Any) -> Any:
-      return (
-        output(params, None, kept),
-        inner._replace(acc_grads=gradient()),
-        wrote,
-      )
+      new = inner._replace(acc_grads=gradient())
+      return output(params, None, kept), new, wrote, checks.norm
 
     def step(params: Any, inner: Any, wrote: Any) -> Any:
-      g = gradient()
-      if window is not None:
+      g, norm = gradient(), checks.norm
+      if window is not None:  # the window's norm
         g = optax.tree.cast_like(g, trained(grads))
+        squares = _numerics.sum_of_squares(jax.tree.leaves(g), self.axis_name)
+        norm = jnp.sqrt(squares)
       if self.max_norm is not None:
-        factor = jnp.where(
-          checks.norm < self.max_norm, 1.0, self.max_norm / checks.norm
-        )
-        g = map_floats(lambda x, dtype: x * factor.astype(dtype), g)
-      opt_state = inner if window is None else inner.inner_opt_state
-      updates, opt_state = self.inner.update(
-        g, opt_state, None if params is None else trained(params), **extra_args
+        clip = jnp.where(norm < self.max_norm, 1.0, self.max_norm / norm)
+        g = map_floats(lambda x, dtype: x * clip.astype(dtype), g)
+      updates, new = self.inner.update(
+        g, opt(inner), trained(params), **extra_args
       )
       if window is not None:
-        acc = optax.tree.zeros_like(window.acc)
-        opt_state = inner._replace(inner_opt_state=opt_state, acc_grads=acc)
-      return output(params, updates, kept), opt_state, wrote
+        zeros = optax.tree.zeros_like(window.acc)
+        new = inner._replace(inner_opt_state=new, acc_grads=zeros)
+      return output(params, updates, kept), new, wrote, norm
 
     return [skip, step] if window is None else [skip, accumulate, step]
 
@@ -754,9 +743,9 @@ class LossScaleOptimizer:
     self,
     mask: Any,
     grads: Any,
-    state: LossScaleOptimizerState,
-    extra_args: dict[str, Any],
     params: Any,
+    opt_state: Any,
+    extra_args: dict[str, Any],
     fused: bool,
   ) -> Callable[[Any, Any, Any], Any]:
     """A branch's output from `inner`'s updates (None: no update).
@@ -764,11 +753,8 @@ class LossScaleOptimizer:
     The fused step returns the parameters, `update` the updates. Each
     overwritten leaf is assigned its gradient where `assign` holds.
     """
+    trained = None if params is None else masked(mask, params)
     if not fused:  # `inner` may return another dtype or structure
-      opt_state = state.inner_state
-      if self._accumulation is not None:
-        opt_state = opt_state.inner_opt_state
-      trained = None if params is None else masked(mask, params)
       like = jax.eval_shape(
         lambda: self.inner.update(
           masked(mask, grads), opt_state, trained, **extra_args
@@ -776,23 +762,20 @@ class LossScaleOptimizer:
       )
 
     def output(params: Any, updates: Any, assign: Any) -> Any:
-      if fused:
-        base = (
-          params
-          if updates is None
-          else optax.apply_updates(masked(mask, params), updates)
-        )
-        new = lambda g, p: g.astype(p.dtype)  # noqa: E731
+      if fused and updates is not None:
+        base = optax.apply_updates(masked(mask, params), updates)
+      elif fused:
+        base = params
       else:
         base = optax.tree.zeros_like(like) if updates is None else updates
-        new = lambda g, p: g.astype(p.dtype) - p  # noqa: E731
-      if not any(jax.tree.leaves(mask)):
-        return base
-      keep = lambda p: p if fused else jnp.zeros_like(p)  # noqa: E731
 
       def pick(m: bool, b: Any, g: Any, p: Any) -> Any:
-        return jnp.where(assign, new(g, p), keep(p)) if m else b
+        new = g.astype(p.dtype) if fused else g.astype(p.dtype) - p
+        keep = p if fused else jnp.zeros_like(p)
+        return jnp.where(assign, new, keep) if m else b
 
+      if not any(jax.tree.leaves(mask)):
+        return base
       return jax.tree.map(pick, mask, base, grads, params)
 
     return output

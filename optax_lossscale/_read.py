@@ -18,7 +18,7 @@ class Checks(NamedTuple):
   `grads_finite`: every gradient is finite once unscaled (exactly).
   `loss_finite`: None when no loss was given.
   `flags`: per gradient leaf, whether it is finite once unscaled.
-  `norm`: the global L2 norm of the gradient the optimizer takes (float32).
+  `norm`: the global L2 norm of the unscaled gradients (float32).
   """
 
   grads_finite: jax.Array
@@ -66,7 +66,6 @@ def check(
   value: Any,
   axis_name: _numerics.AxisName,
   overwritten: Any = None,
-  window: Window | None = None,
 ) -> Checks:
   """Reads the gradients once: the sum of the squares of the unscaled ones.
 
@@ -74,8 +73,7 @@ def check(
   that is not finite (an overflow, or squares beyond float32) sends the
   step to a small conditional that checks each leaf exactly. Overwritten
   leaves (`overwritten`, bools per leaf) are checked as they are and are
-  not in the norm. With a `window`, the norm is that of the window's mean
-  with this micro-batch in if it is kept, else without it.
+  not in the norm.
   """
   if value is not None and not jnp.issubdtype(
     jnp.result_type(value), jnp.inexact
@@ -87,34 +85,26 @@ def check(
   mask = (
     jax.tree.map(lambda _: False, grads) if overwritten is None else overwritten
   )
-  unscaled = loss_scale.unscale(grads)
-  gradient = with_micro_batch(window, masked(mask, unscaled))
-  squares = _numerics.sum_of_squares(jax.tree.leaves(gradient), axis_name)
+  trained = jax.tree.leaves(masked(mask, loss_scale.unscale(grads)))
+  squares = _numerics.sum_of_squares(trained, axis_name)
   pairs = zip(jax.tree.leaves(mask), jax.tree.leaves(grads), strict=True)
-  others = [g for m, g in pairs if m]
-  local = [jnp.isfinite(squares + _numerics.sum_of_squares(others, axis_name))]
+  others = _numerics.sum_of_squares([g for m, g in pairs if m], axis_name)
+  local = [jnp.isfinite(squares + others)]
   if value is not None:
     local.append(jnp.all(jnp.isfinite(value)))
   agreed = _numerics.agree(jnp.stack(local), axis_name)
-  loss_finite = None if value is None else agreed[1]
 
-  def exact() -> tuple[jax.Array, jax.Array]:
+  def exact() -> jax.Array:
     # Unscaled here, not closed over: a conditional's operands are buffers.
     pick = lambda m, g, u: g if m else u  # noqa: E731
     checked = jax.tree.map(pick, mask, grads, loss_scale.unscale(grads))
     flags = _numerics.finite_flags(jax.tree.leaves(checked))
-    flags = _numerics.agree(flags, axis_name)
-    kept = squares
-    if window is not None:
-      acc = _numerics.sum_of_squares(jax.tree.leaves(window.acc), axis_name)
-      micro_batch = jnp.all(flags) & (True if value is None else agreed[1])
-      kept = jnp.where(micro_batch | (window.kept == 0), squares, acc)
-    return flags, kept
+    return _numerics.agree(flags, axis_name)
 
-  def fast() -> tuple[jax.Array, jax.Array]:
-    return jnp.ones((len(jax.tree.leaves(grads)),), jnp.bool_), squares
+  def fast() -> jax.Array:
+    return jnp.ones((len(jax.tree.leaves(grads)),), jnp.bool_)
 
-  flags, squares = _cond.switch(
-    jnp.all(agreed).astype(jnp.int32), [exact, fast], sharded_like=grads
-  )
+  index = jnp.all(agreed[:1]).astype(jnp.int32)
+  flags = _cond.switch(index, [exact, fast], sharded_like=grads)
+  loss_finite = None if value is None else agreed[1]
   return Checks(jnp.all(flags), loss_finite, flags, jnp.sqrt(squares))

@@ -25,8 +25,8 @@ class Attempt(NamedTuple):
   grads: Any
   loss_scale: LossScale
   checks: Any
-  retries: jax.Array
-  held: jax.Array
+  retries: jax.Array | int
+  held: jax.Array | bool
 
 
 def retry(

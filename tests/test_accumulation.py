@@ -221,7 +221,7 @@ def test_a_window_that_kept_none_is_skipped():
   assert float(state.loss_scale()) == 2.0**7
 
 
-def test_the_norm_is_of_the_window_so_far_and_of_what_it_kept():
+def test_the_norm_is_the_micro_batch_s_and_at_the_step_the_window_s():
   tx = ols.LossScaleOptimizer(
     optax.MultiSteps(optax.sgd(1.0), 4), ols.DynamicLossScale(4.0, 1)
   )
@@ -238,9 +238,9 @@ def test_the_norm_is_of_the_window_so_far_and_of_what_it_kept():
       params,
     )
     norms.append(float(state.grad_norm))
-  # 5, then the mean of 5 and 10; the dropped ones leave it at 7.5, and the
-  # last step takes that mean.
-  assert norms == [5.0, 7.5, 7.5, 7.5]
+  # Each micro-batch's own norm (inf when it overflowed); at the window's
+  # last, dropped, the norm of the mean of the two it kept: the step's.
+  assert norms == [5.0, 10.0, np.inf, 7.5]
   np.testing.assert_allclose(params["w"], [-4.5, -6.0])
 
 

@@ -38,6 +38,7 @@ WRITERS = {
   "TRAIN_STEP.md": ("benchmarks/train_step.py",),
   "FINITE_SWEEP.md": ("benchmarks/finite_sweep.py",),
   "COMPILE.md": ("benchmarks/first_compile.py",),
+  "LLM_STACK.md": ("benchmarks/llm_stack.py",),
   "JMP.md": ("benchmarks/jmp_select_tree.py",),
   "JMP_HAIKU.md": ("benchmarks/jmp_haiku_resnet.py",),
   "MODEL_STEP.md": ("benchmarks/model_step.py",),
@@ -211,6 +212,27 @@ def test_accelerator_script_quick_mode_writes_one_table(tmp_path):
     if temp.group(1) != "-":
       _ratio(temp.group(1))
     assert float(row[7]) > 0, row
+
+
+@pytest.mark.slow
+def test_llm_stack_quick_mode_writes_every_row(tmp_path):
+  out = tmp_path / "llm_stack.md"
+  _run(
+    sys.executable,
+    str(BENCHMARKS / "llm_stack.py"),
+    "--quick",
+    "--out",
+    str(out),
+  )
+  text = out.read_text()
+  _environment(text, "benchmarks/llm_stack.py", "--quick")
+  for row in (
+    "clip + norm logged",
+    "loss scaling alone",
+    "accumulation, per micro-step",
+  ):
+    assert re.search(rf"\| {re.escape(row)}: .*\| \d+\.\d\dx \(", text), row
+  assert "the library's own cost, over the floor | +" in text
 
 
 @pytest.mark.slow
