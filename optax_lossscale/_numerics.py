@@ -70,12 +70,18 @@ def _stacks(indices: list[int], sizes: list[int]) -> list[list[int]]:
   return stacks
 
 
-class _Piece(NamedTuple):
-  """What one reduction reads: a leaf, or a stack of small ones (`rows`)."""
+class Piece(NamedTuple):
+  """What one reduction reads: a leaf, or a stack of small leaves' rows.
+
+  `unscale`: it is read through the loss scale's `unscale`. `trained`: it
+  counts in the norm.
+  """
 
   array: jax.Array
   leaves: list[int]
   rows: bool
+  unscale: bool
+  trained: bool
 
 
 def _rows(vectors: list[jax.Array]) -> jax.Array:
@@ -86,20 +92,39 @@ def _rows(vectors: list[jax.Array]) -> jax.Array:
   return jnp.stack([pad(x) if x.size < longest else x for x in vectors])
 
 
-def _pieces(arrays: list[jax.Array]) -> list[_Piece]:
-  """The float leaves as they are read: in place, or stacked when small."""
-  pieces, small = [], {}  # type: list[_Piece], dict[Any, list[int]]
+def pieces(
+  leaves: Sequence[Any], unscale: Any = None, as_is: Sequence[bool] = ()
+) -> list[Piece]:
+  """The float leaves as they are read: in place, or stacked when small.
+
+  With `unscale`, every leaf but those `as_is` marks is read unscaled:
+  kept as given, and unscaled where it is read (a stack of one dtype at
+  once), so that no unscaled copy is written.
+  """
+  arrays = [jnp.asarray(x) for x in leaves]
+  plain = [
+    i < len(as_is) and as_is[i] or unscale is None for i in range(len(arrays))
+  ]
+  out, small = [], {}  # type: list[Piece], dict[Any, list[int]]
   for i, x in enumerate(arrays):
     if is_float(x) and x.size <= _SMALL and _whole(x):
-      small.setdefault((x.dtype, varying_axes(x)), []).append(i)
+      key = (x.dtype, varying_axes(x), plain[i])
+      small.setdefault(key, []).append(i)
     elif is_float(x):
-      pieces.append(_Piece(x, [i], False))
+      out.append(
+        Piece(x, [i], False, not plain[i], not as_is[i] if as_is else True)
+      )
   sizes = [x.size for x in arrays]
-  for same in small.values():
+  for (*_, raw), same in small.items():
     for stack in _stacks(same, sizes):
       rows = _rows([arrays[i].ravel() for i in stack])
-      pieces.append(_Piece(rows, stack, True))
-  return pieces
+      trained = not (as_is and as_is[stack[0]])
+      out.append(Piece(rows, stack, True, not raw, trained))
+  return out
+
+
+def _read(piece: Piece, unscale: Any) -> jax.Array:
+  return unscale(piece.array) if piece.unscale else piece.array
 
 
 def _axis_names(axis_name: AxisName) -> frozenset[Any]:
@@ -110,23 +135,25 @@ def _axis_names(axis_name: AxisName) -> frozenset[Any]:
   )
 
 
-def sum_of_squares(leaves: Sequence[Any], axis_name: AxisName) -> jax.Array:
-  """The sum of the squares of every element, a float32 scalar.
+def squares(
+  read: Sequence[Piece], axis_name: AxisName, unscale: Any = None
+) -> jax.Array:
+  """The sum of the squares of every element the pieces read: float32.
 
-  One reduction per leaf where it lives, or per stack of small leaves. It
-  is not finite if an element is not, or if the sum overflows float32; it
-  never makes a NaN of an inf. Inside `shard_map`, the sums of the leaves
-  that vary along axes of `axis_name` (their blocks differ) are summed
-  across those axes: only scalars cross devices, and replicas count once.
+  One reduction per piece. It is not finite if an element is not, or if the
+  sum overflows float32; it never makes a NaN of an inf. Inside
+  `shard_map`, the sums of the leaves that vary along axes of `axis_name`
+  (their blocks differ) are summed across those axes: only scalars cross
+  devices, and replicas count once.
   """
   names = _axis_names(axis_name)
   by_axes: dict[frozenset[Any], list[jax.Array]] = {}
-  for piece in _pieces([jnp.asarray(x) for x in leaves]):
-    x = piece.array
+  for piece in read:
+    x = _read(piece, unscale)
     parts = (jnp.real(x), jnp.imag(x)) if jnp.iscomplexobj(x) else (x,)
     wide = [p.astype(jnp.float32) if p.dtype.itemsize < 4 else p for p in parts]
-    squares = [jnp.sum(jnp.square(p)).astype(jnp.float32) for p in wide]
-    total = squares[0] if len(squares) == 1 else squares[0] + squares[1]
+    sums = [jnp.sum(jnp.square(p)).astype(jnp.float32) for p in wide]
+    total = sums[0] if len(sums) == 1 else sums[0] + sums[1]
     by_axes.setdefault(varying_axes(x) & names, []).append(total)
   out = jnp.zeros((), jnp.float32)
   for axes, sums in by_axes.items():
@@ -135,35 +162,42 @@ def sum_of_squares(leaves: Sequence[Any], axis_name: AxisName) -> jax.Array:
   return out
 
 
-def finite_flags(leaves: Sequence[Any]) -> jax.Array:
-  """Per leaf, True iff all its elements are finite: a bool vector, local.
+def sum_of_squares(leaves: Sequence[Any], axis_name: AxisName) -> jax.Array:
+  """The sum of the squares of the leaves' elements (see `squares`)."""
+  return squares(pieces(leaves), axis_name)
 
-  Leaves that are not floating point (integers, `float0`) are finite. Each
-  leaf is read once, where it lives. No collective combines replicas.
+
+def flags(read: Sequence[Piece], n: int, unscale: Any = None) -> jax.Array:
+  """Per leaf of `n`, True iff all it holds is finite: a bool vector, local.
+
+  Leaves in no piece (integers, `float0`) are finite. No collective
+  combines replicas.
   """
-  arrays = [jnp.asarray(x) for x in leaves]
-  pieces, order = [], []
-  for piece in _pieces(arrays):
-    finite = jnp.isfinite(piece.array)
-    if piece.rows:
-      pieces.append(jnp.all(finite, axis=1))
-    else:
-      pieces.append(jnp.all(finite).reshape(1))
+  found, order = [], []
+  for piece in read:
+    finite = jnp.isfinite(_read(piece, unscale))
+    axes = 1 if piece.rows else None
+    found.append(jnp.all(finite, axis=axes).reshape(len(piece.leaves)))
     order.extend(piece.leaves)
-  others = sorted(set(range(len(arrays))) - set(order))
+  others = sorted(set(range(n)) - set(order))
   if others:
-    pieces.append(jnp.ones((len(others),), jnp.bool_))
+    found.append(jnp.ones((len(others),), jnp.bool_))
     order.extend(others)
-  if not pieces:
+  if not found:
     return jnp.ones((0,), jnp.bool_)
   # Concatenated, not stacked: under `vmap` over a member axis that an
   # Explicit mesh axis shards, `jnp.stack` refuses batched flags beside an
   # unbatched constant. Put back in order by static slices, not a gather:
   # its index, a constant, fails `vmap` of a `cond` branch on such a mesh.
-  flags = jnp.concatenate(pieces)
+  joined = jnp.concatenate(found)
   position = np.argsort(order)
   runs = np.split(position, np.flatnonzero(np.diff(position) != 1) + 1)
-  return jnp.concatenate([flags[r[0] : r[0] + len(r)] for r in runs])
+  return jnp.concatenate([joined[r[0] : r[0] + len(r)] for r in runs])
+
+
+def finite_flags(leaves: Sequence[Any]) -> jax.Array:
+  """Per leaf, True iff all its elements are finite (see `flags`)."""
+  return flags(pieces(leaves), len(leaves))
 
 
 def agree(flags: jax.Array, axis_name: AxisName) -> jax.Array:

@@ -85,26 +85,28 @@ def check(
   mask = (
     jax.tree.map(lambda _: False, grads) if overwritten is None else overwritten
   )
-  trained = jax.tree.leaves(masked(mask, loss_scale.unscale(grads)))
-  squares = _numerics.sum_of_squares(trained, axis_name)
-  pairs = zip(jax.tree.leaves(mask), jax.tree.leaves(grads), strict=True)
-  others = _numerics.sum_of_squares([g for m, g in pairs if m], axis_name)
-  local = [jnp.isfinite(squares + others)]
+  leaves, as_is = jax.tree.leaves(grads), jax.tree.leaves(mask)
+  read = _numerics.pieces(leaves, loss_scale.unscale, as_is)
+  trained = [p for p in read if p.trained]
+  squares = _numerics.squares(trained, axis_name, loss_scale.unscale)
+  others = [p for p in read if not p.trained]
+  local = [jnp.isfinite(squares + _numerics.squares(others, axis_name))]
   if value is not None:
     local.append(jnp.all(jnp.isfinite(value)))
   agreed = _numerics.agree(jnp.stack(local), axis_name)
 
-  def exact() -> jax.Array:
-    # Unscaled here, not closed over: a conditional's operands are buffers.
-    pick = lambda m, g, u: g if m else u  # noqa: E731
-    checked = jax.tree.map(pick, mask, grads, loss_scale.unscale(grads))
-    flags = _numerics.finite_flags(jax.tree.leaves(checked))
+  def exact(*arrays: jax.Array) -> jax.Array:
+    # The pieces are its operands: large leaves as given, unscaled here (a
+    # conditional's operands are buffers), small ones in their stacks.
+    again = [p._replace(array=a) for p, a in zip(read, arrays, strict=True)]
+    flags = _numerics.flags(again, len(leaves), loss_scale.unscale)
     return _numerics.agree(flags, axis_name)
 
-  def fast() -> jax.Array:
-    return jnp.ones((len(jax.tree.leaves(grads)),), jnp.bool_)
+  def fast(*arrays: jax.Array) -> jax.Array:
+    return jnp.ones((len(leaves),), jnp.bool_)
 
   index = jnp.all(agreed[:1]).astype(jnp.int32)
-  flags = _cond.switch(index, [exact, fast], sharded_like=grads)
+  operands = [p.array for p in read]
+  flags = _cond.switch(index, [exact, fast], *operands, sharded_like=grads)
   loss_finite = None if value is None else agreed[1]
   return Checks(jnp.all(flags), loss_finite, flags, jnp.sqrt(squares))
