@@ -66,7 +66,7 @@ def switch(
       lambda *ops, f=f, c=c: f(c, ops)
       for f, c in zip(funs, consts, strict=True)
     ]
-    return lax.switch(index, bound, *operands)
+    return _nested(index, bound, operands)
 
   run = jax.custom_batching.custom_vmap(plain)
   run.def_vmap(functools.partial(_batched, plain, funs))

@@ -47,6 +47,8 @@ def map_floats(fn: Any, tree: Any) -> Any:
     if x is None or not _numerics.is_float(x):
       return x
     x = jnp.asarray(x)
+    if jnp.iscomplexobj(x):  # part by part: (inf + 0j) * (s + 0j) has a NaN
+      return jax.lax.complex(leaf(jnp.real(x)), leaf(jnp.imag(x)))
     wide = jnp.float32 if x.dtype.itemsize < 4 else x.dtype  # half: float32
     return fn(x.astype(wide), wide).astype(x.dtype)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -15,13 +15,7 @@ from optax.tree import where as tree_where
 
 from optax_lossscale import _cond, _numerics, _retry, _validation
 from optax_lossscale._loss_scale import LossScale, map_floats
-from optax_lossscale._read import (
-  Checks,
-  Window,
-  check,
-  masked,
-  with_micro_batch,
-)
+from optax_lossscale._read import Checks, check, masked
 from optax_lossscale._states import (
   LossScaleOptimizerState,
   SkipRecord,
@@ -190,12 +184,16 @@ def _next_state(
   loss_scale: LossScale,
   should_apply: jax.Array,
   checks: Checks,
-  retries: jax.Array | int,
+  attempt: _retry.Attempt,
 ) -> LossScaleOptimizerState:
-  """The counters after a step; the inner state and records come apart."""
-  skipped = ~should_apply
+  """The counters and the skip record after a step (of `attempt`, unless a
+  retry follows it); the inner state and the write record come apart."""
+  skipped, retries = ~should_apply, attempt.retries
   loss_failed = False if checks.loss_finite is None else ~checks.loss_finite
+  record = _skip_record(state, attempt.loss_scale, loss_scale, checks)
+  dropped = skipped & jnp.logical_not(attempt.held)
   return state._replace(
+    last_skip=tree_where(dropped, record, state.last_skip),
     loss_scale=loss_scale,
     should_apply=should_apply,
     skipped_steps=_count(state.skipped_steps, skipped),
@@ -205,16 +203,10 @@ def _next_state(
     nonfinite_loss_steps=_count(state.nonfinite_loss_steps, loss_failed),
     retries=state.retries + retries,
     steps=optax.safe_increment(state.steps),
-    grad_norm=checks.norm,
   )
 
 
-class _Accumulation(NamedTuple):
-  every_k: Callable[[jax.Array], Any]
-  mean: bool
-
-
-def _accumulation(call: str, multi: optax.MultiSteps) -> _Accumulation:
+def _accumulation(call: str, multi: optax.MultiSteps) -> tuple[Any, bool]:
   """The windows an `optax.MultiSteps` asks for: their length and mean.
 
   `MultiSteps` has no public accessor for them (Optax 0.2.8): they are read
@@ -227,7 +219,7 @@ def _accumulation(call: str, multi: optax.MultiSteps) -> _Accumulation:
       f" `should_skip_update_fn`, got {_validation.describe(skip)}: each"
       " non-finite micro-batch is dropped before it is accumulated."
     )
-  return _Accumulation(multi._every_k_schedule, multi._use_grad_mean)
+  return multi._every_k_schedule, multi._use_grad_mean
 
 
 class LossScaleOptimizer:
@@ -335,9 +327,12 @@ class LossScaleOptimizer:
     overwrite_with_gradient: Any = None,
   ) -> None:
     call = "LossScaleOptimizer"
-    self._multi, self._accumulation = None, None
+    self._multi, (self._every_k, self._mean) = None, (None, True)
     if isinstance(inner, optax.MultiSteps):
-      self._multi, self._accumulation = inner, _accumulation(call, inner)
+      self._multi, (self._every_k, self._mean) = (
+        inner,
+        _accumulation(call, inner),
+      )
       inner = inner.inner_opt
     if not isinstance(inner, optax.GradientTransformation):
       raise TypeError(
@@ -347,13 +342,13 @@ class LossScaleOptimizer:
     check_loss_scale(call, loss_scale)
     self.inner = optax.with_extra_args_support(inner)
     self.loss_scale = loss_scale
+    self.max_norm = max_norm
     if max_norm is not None:
-      max_norm = _validation.scalar(call, "max_norm", max_norm)
-      if not max_norm > 0:
+      self.max_norm = _validation.scalar(call, "max_norm", max_norm)
+      if not self.max_norm > 0:
         raise ValueError(
           f"`{call}(max_norm=...)` must be positive, got {max_norm}."
         )
-    self.max_norm = max_norm
     self.skip_nonfinite = _validation.boolean(
       call, "skip_nonfinite", skip_nonfinite
     )
@@ -403,12 +398,6 @@ class LossScaleOptimizer:
 
   def _mask(self, call: str, tree: Any) -> Any:
     return overwrite_mask(call, self.overwrite_with_gradient, tree)
-
-  def _window(self, state: LossScaleOptimizerState) -> Window | None:
-    if self._accumulation is None:
-      return None
-    acc = state.inner_state.acc_grads
-    return Window(acc, state.accumulated, self._accumulation.mean)
 
   def update(
     self,
@@ -634,21 +623,16 @@ class LossScaleOptimizer:
     out, inner, wrote, norm = _cond.switch(
       index, branches, *operands, sharded_like=grads
     )
-    skip = _skip_record(state, tried, loss_scale, checks)
-    dropped = ~should_apply & jnp.logical_not(held)
     # A kept micro-batch that leaves its window open holds the scale (unless
     # it was recomputed: that is an overflow).
     hold = should_apply & ~closes & (attempt.retries == 0)
     loss_scale = tree_where(hold, state.loss_scale, loss_scale)
-    new = _next_state(state, loss_scale, should_apply, checks, attempt.retries)
+    new = _next_state(state, loss_scale, should_apply, checks, attempt)
     if counters is not None:
       inner = inner._replace(mini_step=counters[0], gradient_step=counters[1])
       new = new._replace(accumulated=counters[2])
     new = new._replace(
-      inner_state=inner,
-      last_skip=tree_where(dropped, skip, state.last_skip),
-      last_nonfinite_write=wrote,
-      grad_norm=norm,
+      inner_state=inner, last_nonfinite_write=wrote, grad_norm=norm
     )
     if held is not False:  # a held attempt keeps the scale and counters
       new = tree_where(held, state._replace(inner_state=inner), new)
@@ -663,13 +647,14 @@ class LossScaleOptimizer:
     and 2 steps, at the window's last micro-batch if the window kept any.
     """
     applies = (should_apply & jnp.logical_not(held)).astype(jnp.int32)
-    if self._accumulation is None:
+    if self._every_k is None:
       return applies, jnp.array(True), None
     window, held = state.inner_state, jnp.asarray(held)
-    k = self._accumulation.every_k(window.gradient_step)
+    k = self._every_k(window.gradient_step)
     closes = window.mini_step + 1 >= k
     kept = state.accumulated + applies
-    index = jnp.where(closes & (kept > 0), 2, applies)
+    # A held attempt skips: the retry that follows it may close the window.
+    index = jnp.where(closes & (kept > 0) & ~held, 2, applies)
     position = jnp.where(closes, 0, window.mini_step + 1)
     return (
       index,
@@ -697,9 +682,9 @@ class LossScaleOptimizer:
     """The branches: skip, (accumulate,) step. Each returns the output, the
     inner state, the write record and the norm (at a window's step, the
     window's)."""
-    window = self._window(state)
+    window = self._every_k is not None
     trained = lambda p: None if p is None else masked(mask, p)  # noqa: E731
-    opt = lambda inner: inner if window is None else inner.inner_opt_state  # noqa: E731
+    opt = lambda inner: inner.inner_opt_state if window else inner  # noqa: E731
     output = self._output(
       mask, grads, params, opt(state.inner_state), extra_args, fused
     )
@@ -709,12 +694,7 @@ class LossScaleOptimizer:
       new = tree_where(held, wrote, new)
       return output(params, None, False), inner, new, checks.norm
 
-    def gradient() -> Any:  # the window's, with this micro-batch if kept
-      unscaled = trained(loss_scale.unscale(grads))
-      if window is None:
-        return unscaled
-      new = with_micro_batch(window, unscaled)
-      return jax.tree.map(lambda n, a: jnp.where(kept, n, a), new, window.acc)
+    gradient = lambda: self._gradient(mask, loss_scale, grads, state, kept)  # noqa: E731
 
     def accumulate(params: Any, inner: Any, wrote: Any) -> Any:
       new = inner._replace(acc_grads=gradient())
@@ -722,22 +702,48 @@ class LossScaleOptimizer:
 
     def step(params: Any, inner: Any, wrote: Any) -> Any:
       g, norm = gradient(), checks.norm
-      if window is not None:  # the window's norm
+      if window:  # the window's norm
         g = optax.tree.cast_like(g, trained(grads))
         squares = _numerics.sum_of_squares(jax.tree.leaves(g), self.axis_name)
         norm = jnp.sqrt(squares)
       if self.max_norm is not None:
-        clip = jnp.where(norm < self.max_norm, 1.0, self.max_norm / norm)
+        # 1 for gradients that are not finite (applied with skip_nonfinite=False):
+        # 0 * inf would make a NaN.
+        keep = (norm < self.max_norm) | ~checks.grads_finite
+        clip = jnp.where(keep, 1.0, self.max_norm / norm)
         g = map_floats(lambda x, dtype: x * clip.astype(dtype), g)
       updates, new = self.inner.update(
         g, opt(inner), trained(params), **extra_args
       )
-      if window is not None:
-        zeros = optax.tree.zeros_like(window.acc)
+      if window:
+        zeros = optax.tree.zeros_like(inner.acc_grads)
         new = inner._replace(inner_opt_state=new, acc_grads=zeros)
       return output(params, updates, kept), new, wrote, norm
 
-    return [skip, step] if window is None else [skip, accumulate, step]
+    return [skip, accumulate, step] if window else [skip, step]
+
+  def _gradient(
+    self,
+    mask: Any,
+    loss_scale: LossScale,
+    grads: Any,
+    state: LossScaleOptimizerState,
+    kept: jax.Array,
+  ) -> Any:
+    """The unscaled gradients; under accumulation, the window's mean (or
+    sum), with this micro-batch if it is kept: `optax.MultiSteps`' running
+    mean, in the accumulator's dtype."""
+    unscaled = masked(mask, loss_scale.unscale(grads))
+    if self._every_k is None:
+      return unscaled
+    n = (state.accumulated + 1).astype
+
+    def add(u: jax.Array, acc: jax.Array) -> jax.Array:
+      u = u.astype(acc.dtype)
+      new = acc + (u - acc) / n(acc.dtype) if self._mean else acc + u
+      return jnp.where(kept, new, acc)
+
+    return jax.tree.map(add, unscaled, state.inner_state.acc_grads)
 
   def _output(
     self,

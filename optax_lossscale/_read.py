@@ -27,36 +27,9 @@ class Checks(NamedTuple):
   norm: jax.Array
 
 
-class Window(NamedTuple):
-  """An open accumulation window: the mean (or sum) of the micro-batches
-  it kept (`acc`, `optax.MaskedNode` at overwritten leaves), and how many.
-  """
-
-  acc: Any
-  kept: jax.Array
-  mean: bool
-
-
 def masked(mask: Any, tree: Any) -> Any:
   """`tree` with an `optax.MaskedNode` at each overwritten leaf."""
   return jax.tree.map(lambda m, x: optax.MaskedNode() if m else x, mask, tree)
-
-
-def with_micro_batch(window: Window | None, unscaled: Any) -> Any:
-  """The window's gradient with this micro-batch in (`unscaled` without one).
-
-  The mean is `optax.MultiSteps`' running mean, in the accumulator's dtype.
-  """
-  if window is None:
-    return unscaled
-
-  def add(u: jax.Array, acc: jax.Array) -> jax.Array:
-    u = u.astype(acc.dtype)
-    if not window.mean:
-      return acc + u
-    return acc + (u - acc) / (window.kept + 1).astype(acc.dtype)
-
-  return jax.tree.map(add, unscaled, window.acc)
 
 
 def check(
@@ -89,6 +62,9 @@ def check(
   read = _numerics.pieces(leaves, loss_scale.unscale, as_is)
   trained = [p for p in read if p.trained]
   squares = _numerics.squares(trained, axis_name, loss_scale.unscale)
+  # inf, not NaN, for any non-finite gradient: a skipped step's outputs stay
+  # free of NaN, which `jax_debug_nans` checks under `jit`.
+  squares = jnp.where(jnp.isnan(squares), jnp.inf, squares)
   others = [p for p in read if not p.trained]
   local = [jnp.isfinite(squares + _numerics.squares(others, axis_name))]
   if value is not None:

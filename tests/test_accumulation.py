@@ -383,3 +383,19 @@ def test_extra_args_reach_the_optimizer_inside_multisteps(entry):
   chex.assert_trees_all_close(state.inner_state, ref_state, rtol=1e-6)
   # The losses rise, so the plateau lowered the learning rate.
   assert float(state.inner_state.inner_opt_state[1].scale) < 1.0
+
+
+def test_a_micro_batch_retried_at_the_window_s_end_steps_once():
+  tx = ols.LossScaleOptimizer(
+    optax.MultiSteps(optax.sgd(1.0), 2), ols.DynamicLossScale(2.0**10)
+  )
+  step = jax.jit(
+    lambda p, s, x: tx.minimize(_float16_loss, p, s, x, max_retries=1)
+  )
+  params = {"w": jnp.ones(2)}
+  state = tx.init(params)
+  for x in [1.0, 100.0]:  # 100 overflows at 2**10, fits at 2**9
+    _, params, state = step(params, state, jnp.full(2, x))
+  np.testing.assert_array_equal(params["w"], 1.0 - (1.0 + 100.0) / 2)
+  assert int(state.inner_state.gradient_step) == 1 and int(state.retries) == 1
+  np.testing.assert_allclose(state.grad_norm, 50.5 * np.sqrt(2), rtol=1e-6)
