@@ -97,7 +97,7 @@ def _check_optimizer_state(state: LossScaleOptimizerState, path: str) -> None:
   for name in _COUNTERS:
     where = f"`{path}.{name}`"
     _check(where, getattr(state, name), np.int32, shape, 0, np.inf)
-  norm = _array(state.grad_norm)  # inf or NaN after an overflow
+  norm = _array(state.grad_norm)  # inf after an overflow
   _validation.array_dtype(f"`{path}.grad_norm`", norm, np.float32)
   skipped, consecutive = (
     _validation.host_values(_array(getattr(state, n))) for n in _COUNTERS[:2]

@@ -149,7 +149,11 @@ class LossScaleOptimizerState(NamedTuple):
     inner_state: the state of the wrapped optimizer; a skipped step leaves
       it bit for bit unchanged.
     should_apply: whether the last step was applied (bool); True before the
-      first step. For a training loop that counts applied steps.
+      first step. For a training loop that counts applied steps. Under
+      accumulation, a step is a micro-batch, and this says whether it was
+      kept: the optimizer steps at the windows' ends, which
+      `inner_state.gradient_step` counts (the skip counters and
+      `SkipMonitor` count micro-batches too).
     skipped_steps: how many steps were skipped in all (int32).
     consecutive_skipped_steps: how many steps were skipped since the last
       applied one (int32): the stop rule reads it.
@@ -164,7 +168,8 @@ class LossScaleOptimizerState(NamedTuple):
     grad_norm: the global L2 norm of the last step's unscaled gradients
       (float32), from the step's one read of them, before clipping;
       overwritten (FP8) leaves are not in it. On a step skipped for an
-      overflow it is inf or NaN; it is inf, and the step applies, when the
+      overflow it is inf (for NaN gradients too); it is inf, and the step
+      applies, when the
       gradients are finite but their squares overflow float32. Under
       accumulation it is the micro-batch's norm, except at a window's last
       micro-batch, where it is the norm of the window's mean gradient (of
