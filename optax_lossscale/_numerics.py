@@ -41,17 +41,11 @@ def _whole(x: jax.Array) -> bool:
   `shard_map` (Manual axes) every block is whole.
   """
   mesh: Any = getattr(jax.typeof(x).sharding, "mesh", None)
-  names = () if mesh is None else mesh.axis_names
-  sizes = (
-    [
-      mesh.shape[n]
-      for n, t in zip(names, mesh.axis_types, strict=True)
-      if t == AxisType.Auto
-    ]
-    if names
-    else []
+  types = (
+    () if mesh is None else zip(mesh.axis_names, mesh.axis_types, strict=True)
   )
-  return max(sizes, default=1) == 1 and not explicit_axes([x])
+  auto = [mesh.shape[n] for n, t in types if t == AxisType.Auto]
+  return max(auto, default=1) == 1 and not explicit_axes([x])
 
 
 def _stacks(indices: list[int], sizes: list[int]) -> list[list[int]]:
@@ -102,24 +96,20 @@ def pieces(
   once), so that no unscaled copy is written.
   """
   arrays = [jnp.asarray(x) for x in leaves]
-  plain = [
-    i < len(as_is) and as_is[i] or unscale is None for i in range(len(arrays))
-  ]
+  as_is = list(as_is) or [False] * len(arrays)
   out, small = [], {}  # type: list[Piece], dict[Any, list[int]]
   for i, x in enumerate(arrays):
+    read = unscale is not None and not as_is[i]  # through `unscale`
     if is_float(x) and x.size <= _SMALL and _whole(x):
-      key = (x.dtype, varying_axes(x), plain[i])
+      key = (x.dtype, varying_axes(x), read, as_is[i])
       small.setdefault(key, []).append(i)
     elif is_float(x):
-      out.append(
-        Piece(x, [i], False, not plain[i], not as_is[i] if as_is else True)
-      )
+      out.append(Piece(x, [i], False, read, not as_is[i]))
   sizes = [x.size for x in arrays]
-  for (*_, raw), same in small.items():
+  for (*_, read, plain), same in small.items():
     for stack in _stacks(same, sizes):
       rows = _rows([arrays[i].ravel() for i in stack])
-      trained = not (as_is and as_is[stack[0]])
-      out.append(Piece(rows, stack, True, not raw, trained))
+      out.append(Piece(rows, stack, True, read, not plain))
   return out
 
 
