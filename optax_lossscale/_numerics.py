@@ -127,34 +127,36 @@ def _axis_names(axis_name: AxisName) -> frozenset[Any]:
 
 def squares(
   read: Sequence[Piece], axis_name: AxisName, unscale: Any = None
-) -> jax.Array:
-  """The sum of the squares of every element the pieces read: float32.
+) -> tuple[jax.Array, jax.Array]:
+  """The sums of the squares of what the pieces read, float32: of the
+  trained ones, and of the others.
 
-  One reduction per piece. It is not finite if an element is not, or if the
-  sum overflows float32; it never makes a NaN of an inf. Inside
-  `shard_map`, the sums of the leaves that vary along axes of `axis_name`
-  (their blocks differ) are summed across those axes: only scalars cross
-  devices, and replicas count once.
+  One reduction per piece. A sum is not finite if an element is not, or if
+  it overflows float32; it never makes a NaN of an inf. Inside `shard_map`,
+  the sums of the leaves that vary along axes of `axis_name` (their blocks
+  differ) are summed across those axes: only scalars cross devices, and
+  replicas count once.
   """
   names = _axis_names(axis_name)
-  by_axes: dict[frozenset[Any], list[jax.Array]] = {}
+  by_axes: dict[Any, list[jax.Array]] = {}
   for piece in read:
     x = _read(piece, unscale)
     parts = (jnp.real(x), jnp.imag(x)) if jnp.iscomplexobj(x) else (x,)
     wide = [p.astype(jnp.float32) if p.dtype.itemsize < 4 else p for p in parts]
     sums = [jnp.sum(jnp.square(p)).astype(jnp.float32) for p in wide]
     total = sums[0] if len(sums) == 1 else sums[0] + sums[1]
-    by_axes.setdefault(varying_axes(x) & names, []).append(total)
-  out = jnp.zeros((), jnp.float32)
-  for axes, sums in by_axes.items():
+    key = (varying_axes(x) & names, piece.trained)
+    by_axes.setdefault(key, []).append(total)
+  out = [jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)]
+  for (axes, trained), sums in by_axes.items():
     total = sum(sums[1:], sums[0])
-    out = out + (lax.psum(total, tuple(axes)) if axes else total)
-  return out
+    out[1 - trained] += lax.psum(total, tuple(axes)) if axes else total
+  return out[0], out[1]
 
 
 def sum_of_squares(leaves: Sequence[Any], axis_name: AxisName) -> jax.Array:
   """The sum of the squares of the leaves' elements (see `squares`)."""
-  return squares(pieces(leaves), axis_name)
+  return squares(pieces(leaves), axis_name)[0]
 
 
 def flags(read: Sequence[Piece], n: int, unscale: Any = None) -> jax.Array:
