@@ -169,9 +169,8 @@ class LossScaleOptimizerState(NamedTuple):
       (float32), from the step's one read of them, before clipping;
       overwritten (FP8) leaves are not in it. On a step skipped for an
       overflow it is inf (for NaN gradients too); it is inf, and the step
-      applies, when the
-      gradients are finite but their squares overflow float32. Under
-      accumulation it is the micro-batch's norm, except at a window's last
+      applies, when the gradients are finite but their squares, as scaled,
+      overflow float32. Under accumulation it is the micro-batch's norm, except at a window's last
       micro-batch, where it is the norm of the window's mean gradient (of
       the micro-batches it kept), the one the optimizer takes.
     accumulated: how many micro-batches the open accumulation window kept
