@@ -170,9 +170,10 @@ class LossScaleOptimizerState(NamedTuple):
       overwritten (FP8) leaves are not in it. On a step skipped for an
       overflow it is inf (for NaN gradients too); it is inf, and the step
       applies, when the gradients are finite but their squares, as scaled,
-      overflow float32. Under accumulation it is the micro-batch's norm, except at a window's last
-      micro-batch, where it is the norm of the window's mean gradient (of
-      the micro-batches it kept), the one the optimizer takes.
+      overflow float32. Under accumulation it is the micro-batch's norm,
+      except at a window's last micro-batch, where it is the norm of the
+      window's mean gradient (of the micro-batches it kept), the one the
+      optimizer takes.
     accumulated: how many micro-batches the open accumulation window kept
       (int32); 0 without accumulation.
 
