@@ -5,8 +5,8 @@ Usage: PYTHONPATH=. python benchmarks/finite_sweep.py [--quick] [--out DIR]
 The reference is what `optax.apply_if_finite` computes:
 `jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))`. Each case is
 jitted three ways: the one-liner, `ols.all_finite`, and the read
-`LossScaleOptimizer` makes of a step's gradients (the sum of the squares of
-the unscaled gradients, at a scale of 2**10: the verdict and the norm, with
+`LossScaleOptimizer` makes of a step's gradients (the sum of their squares,
+at a scale of 2**10, the norm unscaled after: the verdict and the norm, with
 the exact per-leaf check in a conditional that runs only when the sum is not
 finite). They are timed in turns in one process: the best of `REPEATS` calls
 per round, the minimum over `ROUNDS` rounds. Prints ratios to the one-liner
@@ -193,7 +193,7 @@ def main() -> None:
       " (`jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))`),"
       f" best of {REPEATS} calls, the minimum of {ROUNDS} rounds, in turns"
       " in one process. The step's read is what `LossScaleOptimizer` reads"
-      " of a step's gradients: the sum of the squares of the unscaled"
+      " of a step's gradients: the sum of the squares of the scaled"
       " gradients (scale 2**10), which gives the verdict and the norm.\n\n"
       "| case | dtype | one-liner (ms) | all_finite | the step's read |\n"
       "|---|---|---|---|---|\n" + "\n".join(rows) + "\n"

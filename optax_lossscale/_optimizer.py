@@ -227,7 +227,7 @@ class LossScaleOptimizer:
 
   The Optax counterpart of Keras' `LossScaleOptimizer`, a class like
   `optax.MultiSteps`. Each step reads the (scaled) gradients once: the sum
-  of the squares of the unscaled gradients gives whether they are all
+  of the squares of the gradients gives whether they are all
   finite, the global norm (`state.grad_norm`) and, with `max_norm`, the
   clip factor, which multiplies the unscaling. It updates the loss scale
   and decides whether to apply the step: the loss scale's own answer and,

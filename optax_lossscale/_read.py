@@ -40,7 +40,7 @@ def check(
   axis_name: _numerics.AxisName,
   overwritten: Any = None,
 ) -> Checks:
-  """Reads the gradients once: the sum of the squares of the unscaled ones.
+  """Reads the gradients once: the sum of their squares, then the norm.
 
   A finite sum means every gradient is finite, and gives the norm. A sum
   that is not finite (an overflow, or squares beyond float32) sends the
