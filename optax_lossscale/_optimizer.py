@@ -706,12 +706,7 @@ class LossScaleOptimizer:
         g = optax.tree.cast_like(g, trained(grads))
         squares = _numerics.sum_of_squares(jax.tree.leaves(g), self.axis_name)
         norm = jnp.sqrt(squares)
-      if self.max_norm is not None:
-        # 1 for gradients that are not finite (applied with skip_nonfinite=False):
-        # 0 * inf would make a NaN.
-        keep = (norm < self.max_norm) | ~checks.grads_finite
-        clip = jnp.where(keep, 1.0, self.max_norm / norm)
-        g = map_floats(lambda x, dtype: x * clip.astype(dtype), g)
+      g = self._clip(g, norm, checks.grads_finite)
       updates, new = self.inner.update(
         g, opt(inner), trained(params), **extra_args
       )
@@ -721,6 +716,16 @@ class LossScaleOptimizer:
       return output(params, updates, kept), new, wrote, norm
 
     return [skip, accumulate, step] if window else [skip, step]
+
+  def _clip(self, g: Any, norm: jax.Array, finite: jax.Array) -> Any:
+    """`g` clipped to `max_norm` by its global `norm`. Gradients that are not
+    finite (applied with `skip_nonfinite=False`) are left as they are: 0 *
+    inf would make a NaN."""
+    if self.max_norm is None:
+      return g
+    keep = (norm < self.max_norm) | ~finite
+    clip = jnp.where(keep, 1.0, self.max_norm / norm)
+    return map_floats(lambda x, dtype: x * clip.astype(dtype), g)
 
   def _gradient(
     self,
