@@ -129,8 +129,6 @@ def _select(index: jax.Array, cases: Sequence[jax.Array]) -> Any:
   `lax.select_n` requires.
   """
   index = jnp.clip(index, 0, len(cases) - 1).astype(jnp.int32)
-  if len(cases) == 2:
-    index = index.astype(jnp.bool_)
   like = cases[0]
   sharding = jax.typeof(like).sharding
   mesh = getattr(sharding, "mesh", None)

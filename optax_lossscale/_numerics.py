@@ -126,9 +126,9 @@ def _axis_names(axis_name: AxisName) -> frozenset[Any]:
 
 
 def squares(
-  read: Sequence[Piece], axis_name: AxisName, unscale: Any = None
+  read: Sequence[Piece], axis_name: AxisName
 ) -> tuple[jax.Array, jax.Array]:
-  """The sums of the squares of what the pieces read, float32: of the
+  """The sums of the squares of the pieces' arrays as given, float32: of the
   trained ones, and of the others.
 
   One reduction per piece. A sum is not finite if an element is not, or if
@@ -140,7 +140,7 @@ def squares(
   names = _axis_names(axis_name)
   by_axes: dict[Any, list[jax.Array]] = {}
   for piece in read:
-    x = _read(piece, unscale)
+    x = piece.array
     parts = (jnp.real(x), jnp.imag(x)) if jnp.iscomplexobj(x) else (x,)
     wide = [p.astype(jnp.float32) if p.dtype.itemsize < 4 else p for p in parts]
     sums = [jnp.sum(jnp.square(p)).astype(jnp.float32) for p in wide]

@@ -65,7 +65,7 @@ def check(
   # slower on some shapes (`benchmarks/finite_sweep.py`). Finite scaled
   # gradients are finite unscaled only at a scale of at least 1: below it,
   # every step checks each leaf exactly.
-  squares = _numerics.squares(read, axis_name, lambda x: x)
+  squares = _numerics.squares(read, axis_name)
   scale = loss_scale()
   # inf, not NaN, for any non-finite gradient: a skipped step's outputs stay
   # free of NaN, which `jax_debug_nans` checks under `jit`.
@@ -85,7 +85,7 @@ def check(
   def fast(*arrays: jax.Array) -> jax.Array:
     return jnp.ones((len(leaves),), jnp.bool_)
 
-  index = jnp.all(agreed[:1]).astype(jnp.int32)
+  index = agreed[0].astype(jnp.int32)
   operands = [p.array for p in read]
   flags = _cond.switch(index, [exact, fast], *operands, sharded_like=grads)
   loss_finite = None if value is None else agreed[1]
