@@ -63,7 +63,7 @@ class LossScale(abc.ABC):
   `jax.tree_util.register_dataclass`: their hyperparameters are static, their
   state (if any) are array leaves, and `dataclasses.replace` works on them. A
   subclass must be such a pytree and implement `__call__`, `adjust` and
-  `get_config`; it may implement `lowered` (and `retried`) to support
+  `get_config`; it may implement `lowered` to support
   `LossScaleOptimizer.minimize(..., max_retries=k)`.
 
   Examples:
@@ -200,21 +200,6 @@ class LossScale(abc.ABC):
       None
     """
     return None
-
-  def retried(self, fitted: Self) -> Self:
-    """The loss scale after a batch recomputed at lower scales: `fitted`.
-
-    The batch overflowed at this scale and was recomputed at `fitted`, a
-    `lowered()` scale; this base implementation drops to it.
-
-    Args:
-      fitted: the loss scale the batch fit at (or, if it never fit, one
-        below its last attempt).
-
-    Returns:
-      The loss scale for the next step.
-    """
-    return fitted
 
 
 def _static(**kwargs: Any) -> Any:
@@ -499,21 +484,6 @@ class DynamicLossScale(LossScale):
       self,
       current_loss_scale=self._backed_off(),
       num_good_steps=jnp.zeros_like(self.num_good_steps),
-    )
-
-  def retried(self, fitted: Self) -> Self:
-    """A recomputed batch is one non-finite step for the loss scale.
-
-    It spends one unit of the hysteresis budget and keeps this scale while
-    budget remains; once none remains, the scale drops to `fitted`'s, the
-    scale the batch fit at.
-    """
-    bad = jnp.minimum(jnp.asarray(self.num_bad_steps), self.hysteresis - 1) + 1
-    return dataclasses.replace(
-      self,
-      current_loss_scale=jnp.where(bad >= self.hysteresis, fitted(), self()),
-      num_good_steps=jnp.zeros_like(self.num_good_steps),
-      num_bad_steps=bad.astype(jnp.int32),
     )
 
   def get_config(self) -> dict[str, Any]:

@@ -483,11 +483,11 @@ class LossScaleOptimizer:
     as `value=`. With `max_retries=k > 0`, a batch whose loss is finite but
     whose gradients are not is recomputed at `LossScale.lowered()` scales,
     up to `k` times, inside the same compiled step, until its gradients are
-    finite; the batch is then applied. For the loss scale, a recomputed
-    batch is one non-finite step (see `LossScale.retried`): with
-    `DynamicLossScale(hysteresis=h)`, the scale stays while budget remains,
-    and drops to the scale the batch fit at once it is spent. `fun` is
-    traced once; each retry costs one more forward and backward pass.
+    finite; the batch is then applied. A recomputed batch is applied at the
+    scale it fit at, and the loss scale moves exactly as it would for one
+    overflowed step without retries (hysteresis included): retries save the
+    batch, they never change the scale's course. `fun` is traced once; each
+    retry costs one more forward and backward pass.
 
     Args:
       fun: the loss function; it returns a scalar, or `(scalar, aux)` with
@@ -521,8 +521,8 @@ class LossScaleOptimizer:
       ...                                   max_retries=16)
       >>> float(loss), int(state.skipped_steps), int(state.retries)
       (5.0, 0, 11)
-      >>> float(state.loss_scale())  # the scale the batch fit at
-      8192.0
+      >>> float(state.loss_scale())  # one halving, as for one overflow
+      8388608.0
     """
     call = "LossScaleOptimizer.minimize"
     _validation.integer(call, "max_retries", max_retries, minimum=0)
@@ -812,12 +812,8 @@ class LossScaleOptimizer:
     checks: Checks,
     retries: jax.Array | int,
   ) -> tuple[LossScale, jax.Array]:
-    """`decide`, and for a recomputed batch `LossScale.retried`'s rule."""
-    loss_scale, should_apply = decide(tried, checks, self.skip_nonfinite)
-    if isinstance(retries, int):  # no retry loop
-      return loss_scale, should_apply
-    fitted = tree_where(checks.grads_finite, tried, tried.lowered())
-    retried = tree_where(
-      checks.loss_finite, state.loss_scale.retried(fitted), loss_scale
-    )
-    return tree_where(retries > 0, retried, loss_scale), should_apply
+    """`decide` for the attempt applied; the scale moves as the first
+    attempt's verdict says: a recomputed batch is one overflowed step."""
+    _, should_apply = decide(tried, checks, self.skip_nonfinite)
+    first = checks._replace(grads_finite=checks.grads_finite & (retries == 0))
+    return decide(state.loss_scale, first, self.skip_nonfinite)[0], should_apply

@@ -294,14 +294,14 @@ def test_minimize_with_retries_moves_the_scale_once_per_window():
   params = {"w": jnp.ones(2)}
   state = tx.init(params)
   # A batch of 1000 overflows at 2**7 and above: from 2**10, the retry at
-  # 2**9 overflows too, the batch is dropped and the scale drops to 2**8.
-  # Finite batches then move the scale once per window of three (the
-  # dropped batch counts towards its window).
+  # 2**9 overflows too, the batch is dropped and the scale halves once, as
+  # for one overflow. Finite batches then move the scale once per window of
+  # three (the dropped batch counts towards its window).
   seen = []
   for x in [1.0, 1000.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]:
     _, params, state = step(params, state, jnp.full(2, x))
     seen.append(float(state.loss_scale()))
-  assert seen == [2.0**10] + [2.0**8] * 4 + [2.0**9] * 3
+  assert seen == [2.0**10] + [2.0**9] * 4 + [2.0**10] * 3
   assert int(state.skipped_steps) == 1 and int(state.retries) == 1
 
 

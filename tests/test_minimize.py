@@ -147,20 +147,21 @@ def test_retries_recompute_the_batch_in_one_trace_and_apply_it():
   # Retried attempts write no skip record.
   assert ols.skip_reports(state) == []
   chex.assert_trees_all_equal(state.last_skip, fresh.last_skip)
-  # hysteresis=1: the scale drops to the scale the batch fit at.
-  assert float(state.loss_scale()) == FIT
+  # The scale moves as for one overflowed step: one halving, not to FIT.
+  assert float(state.loss_scale()) == 2.0**23
   assert int(state.loss_scale.num_good_steps) == 0
   assert int(state.loss_scale.num_bad_steps) == 1
   passes.clear()
-  _, _, state = step(new_params, state, X)  # now it fits: one pass
+  _, _, state = step(new_params, state, X)  # from 2**23: six retries
   jax.effects_barrier()
-  assert len(passes) == 1 and int(state.retries) == 7
+  assert len(passes) == 7 and int(state.retries) == 7 + 6
+  assert float(state.loss_scale()) == 2.0**22
 
 
-def test_retried_batches_spend_hysteresis_then_drop_to_the_fit_scale():
+def test_retried_batches_move_the_scale_as_overflowed_steps_do():
   # DynamicLossScale(2**24, hysteresis=3), three bad batches: each one is
-  # applied; the first two spend budget and keep 2**24, the third drops the
-  # scale to the one the batch fit at.
+  # applied at FIT; the scale moves as three overflowed steps move it: the
+  # first two spend budget and keep 2**24, the third halves it.
   tx, step = _retrying(hysteresis=3, max_retries=20)
   params = _params()  # the same batch and parameters every time
   expected = _sgd_step(params)
@@ -171,18 +172,18 @@ def test_retried_batches_spend_hysteresis_then_drop_to_the_fit_scale():
     chex.assert_trees_all_close(new_params, expected, rtol=1e-6)
     ls = state.loss_scale
     seen.append((float(ls()), int(ls.num_bad_steps), int(ls.num_good_steps)))
-  assert seen == [(2.0**24, 1, 0), (2.0**24, 2, 0), (FIT, 3, 0)]
+  assert seen == [(2.0**24, 1, 0), (2.0**24, 2, 0), (2.0**23, 3, 0)]
   assert int(state.skipped_steps) == 0 and int(state.retries) == 3 * 7
 
 
 @pytest.mark.parametrize(
-  ("hysteresis", "scale", "bad"), [(1, 2.0**21, 1), (3, 2.0**24, 1)]
+  ("hysteresis", "scale", "bad"), [(1, 2.0**23, 1), (3, 2.0**24, 1)]
 )
 def test_a_batch_that_never_fits_is_skipped_under_the_same_rule(
   hysteresis, scale, bad
 ):
   # Two retries (2**23, 2**22), then the batch is dropped: for the loss scale
-  # one non-finite step whose "fit" scale is one below its last attempt.
+  # one overflowed step.
   tx, step = _retrying(hysteresis, max_retries=2)
   params = _params()
   _, new_params, state = step(params, tx.init(params), X)
@@ -193,6 +194,35 @@ def test_a_batch_that_never_fits_is_skipped_under_the_same_rule(
   chex.assert_trees_all_equal(new_params, params)
   report = ols.skip_reports(state)[0]  # the last attempt's scale
   assert (report.loss_scale, report.next_loss_scale) == (2.0**22, scale)
+
+
+def test_an_outlier_batch_halves_the_scale_once():
+  # A PyTorch user's case: one batch with a loss near 1e6 at 2**16 and
+  # max_retries=8. It is applied at the scale it fits at; the scale halves
+  # once, as one overflowed step, and the next batches apply without retries.
+  tx, step = _retrying(hysteresis=1, max_retries=8)
+  state = tx.init(_params())
+  state = state._replace(loss_scale=ols.DynamicLossScale(2.0**16, 100))
+  _, params, state = step(_params(), state, X * 2.0**4)  # fits at 2**9
+  assert int(state.retries) == 7 and int(state.skipped_steps) == 0
+  assert float(state.loss_scale()) == 2.0**15
+  for _ in range(3):
+    _, params, state = step(params, state, X / 2.0**4)
+  assert int(state.retries) == 7 and int(state.skipped_steps) == 0
+  assert float(state.loss_scale()) == 2.0**15
+
+
+def test_a_scale_far_too_high_comes_down_a_halving_per_step():
+  # From 2**24 (FIT is 2**17): each step retries down to FIT and applies,
+  # and the scale halves once per step, as it would without retries.
+  tx, step = _retrying(hysteresis=1, max_retries=16)
+  state, scales = tx.init(_params()), []
+  for _ in range(8):  # the same batch and parameters every time
+    _, _, state = step(_params(), state, X)
+    scales.append(float(state.loss_scale()))
+  assert scales == [2.0**e for e in (23, 22, 21, 20, 19, 18, 17, 17)]
+  assert int(state.skipped_steps) == 0
+  assert int(state.retries) == sum(range(1, 8))
 
 
 def test_retries_stop_at_min_loss_scale():
@@ -234,9 +264,9 @@ def test_vmap_members_retry_alone():
   assert np.asarray(new_state.retries).tolist() == [1, 2, 3, 0]
   assert np.asarray(new_state.should_apply).tolist() == [1, 1, 1, 0]
   assert np.asarray(new_state.loss_scale()).tolist() == [
+    2.0**14,  # each applied at the scale it fit at, each scale halved once
     2.0**14,
-    2.0**13,
-    2.0**12,
+    2.0**14,
     2.0**15,  # the NaN loss: skipped, the scale kept
   ]
   alone = jax.jit(step)
