@@ -17,10 +17,11 @@ from optax_lossscale import _numerics
 __all__: list[str] = []
 
 
-def _hoist(
+def hoist(
   fun: Callable[..., Any], operands: tuple[Any, ...]
-) -> tuple[Callable[[Any, Any], Any], list[Any]]:
-  """`fun` traced once, as a function of (its closed-over values, operands).
+) -> tuple[Callable[[Any, Any], Any], list[Any], Any]:
+  """`fun` traced once, as a function of (its closed-over values, operands),
+  and the shapes of its outputs.
 
   Every value `fun` closes over is hoisted, tracers of any dtype included
   (`jax.closure_convert` keeps integer ones closed over).
@@ -32,7 +33,7 @@ def _hoist(
     flat = jax.core.eval_jaxpr(closed.jaxpr, consts, *jax.tree.leaves(operands))
     return jax.tree.unflatten(out_tree, flat)
 
-  return replay, list(closed.consts)
+  return replay, list(closed.consts), shapes
 
 
 def switch(
@@ -59,7 +60,7 @@ def switch(
   if not _numerics.explicit_axes(jax.tree.leaves((operands, sharded_like))):
     return _nested(index, list(branches), operands)
   # custom_vmap takes no batched value closed over: they become operands.
-  funs, consts = zip(*(_hoist(f, operands) for f in branches), strict=True)
+  funs, consts, _ = zip(*(hoist(f, operands) for f in branches), strict=True)
 
   def plain(index: Any, consts: Any, operands: Any) -> Any:
     bound = [

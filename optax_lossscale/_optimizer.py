@@ -35,7 +35,15 @@ _OVERWRITE = "_overwrite_with_gradient"
 
 
 def _in_overwrite_collection(path: tuple[Any, ...]) -> bool:
-  return _OVERWRITE in (getattr(k, "key", getattr(k, "name", 0)) for k in path)
+  # flax's rule: a top-level key of the variables (`TrainState`, fp8_ops).
+  return bool(path) and getattr(path[0], "key", None) == _OVERWRITE
+
+
+def like_grads(params: Any) -> Any:
+  """The part of `params` shaped like the gradients: `optax.lookahead`'s
+  parameters hold the fast weights, which the gradients are of, and the
+  slow ones."""
+  return params.fast if isinstance(params, optax.LookaheadParams) else params
 
 
 def overwrite_mask(call: str, overwrite: Any, tree: Any) -> Any:
@@ -78,7 +86,11 @@ def check_loss_scale(call: str, loss_scale: Any) -> None:
 
 
 def check_structure(call: str, grads: Any, params: Any) -> None:
-  """Raises a `ValueError` naming the leaf where `grads` and `params` differ."""
+  """Raises a `ValueError` naming the leaf where `grads` and `params` differ.
+
+  `optax.lookahead`'s parameters are checked by their fast weights.
+  """
+  params = like_grads(params)
   if params is None or grads is None:
     return
   is_none = lambda x: x is None  # noqa: E731
@@ -170,7 +182,7 @@ def _write_record(
   inner state is not read: on XLA:CPU, each leaf checked needs a byte per
   element of temporary memory, which every step allocates.
   """
-  last, leaves = state.last_nonfinite_write, jax.tree.leaves(params)
+  last, leaves = state.last_nonfinite_write, jax.tree.leaves(like_grads(params))
   if len(leaves) != last.nonfinite.shape[-1]:  # `update` without parameters
     return last
   finite = _numerics.agree(_numerics.finite_flags(leaves), axis_name)
@@ -244,6 +256,10 @@ class LossScaleOptimizer:
   is not finite (an overflow, or finite gradients whose squares exceed
   float32) runs a small conditional that checks each leaf exactly.
 
+  Parameters may differ in structure from the gradients where `inner`
+  allows it: `optax.lookahead`'s `LookaheadParams` are checked, and their
+  leaves named, by the fast weights.
+
   Use the instance wherever Optax transformations are duck-typed (a linen
   `TrainState`, an `nnx.Optimizer`), or `gradient_transformation()` where an
   `optax.GradientTransformation` is required.
@@ -284,7 +300,8 @@ class LossScaleOptimizer:
     overwrite_with_gradient: which leaves the gradient overwrites: a
       function of a leaf's key path that returns a bool, or a pytree of
       bools (the parameters' structure, or a prefix of it). By default, the
-      leaves under a key `"_overwrite_with_gradient"`.
+      leaves under a top-level key `"_overwrite_with_gradient"` (flax's
+      rule).
 
   Raises:
     TypeError: if an argument has the wrong type.
@@ -369,7 +386,7 @@ class LossScaleOptimizer:
     Returns:
       A `LossScaleOptimizerState` of fresh arrays (safe to donate).
     """
-    paths = jax.tree_util.tree_flatten_with_path(params)[0]
+    paths = jax.tree_util.tree_flatten_with_path(like_grads(params))[0]
     names = [jax.tree_util.keystr(path) or "<root>" for path, _ in paths]
     trained = masked(self._mask("LossScaleOptimizer.init", params), params)
     inner_state = (self._multi or self.inner).init(trained)
@@ -408,9 +425,7 @@ class LossScaleOptimizer:
   ) -> tuple[optax.Updates, LossScaleOptimizerState]:
     """One step: returns the updates (zeros when skipped) and the new state.
 
-    `inner.update` is traced twice: once more for the shapes of a skipped
-    step's zeros, which may differ from the gradients'. The fused step,
-    `apply_gradients`, traces it once.
+    `inner.update` is traced once, as on every route.
 
     Args:
       grads: the scaled gradients.
@@ -685,7 +700,7 @@ class LossScaleOptimizer:
     window = self._every_k is not None
     trained = lambda p: None if p is None else masked(mask, p)  # noqa: E731
     opt = lambda inner: inner.inner_opt_state if window else inner  # noqa: E731
-    output = self._output(
+    output, update = self._output(
       mask, grads, params, opt(state.inner_state), extra_args, fused
     )
 
@@ -707,9 +722,7 @@ class LossScaleOptimizer:
         squares = _numerics.sum_of_squares(jax.tree.leaves(g), self.axis_name)
         norm = jnp.sqrt(squares)
       g = self._clip(g, norm, checks.grads_finite)
-      updates, new = self.inner.update(
-        g, opt(inner), trained(params), **extra_args
-      )
+      updates, new = update(g, opt(inner), trained(params))
       if window:
         zeros = optax.tree.zeros_like(inner.acc_grads)
         new = inner._replace(inner_opt_state=new, acc_grads=zeros)
@@ -758,19 +771,24 @@ class LossScaleOptimizer:
     opt_state: Any,
     extra_args: dict[str, Any],
     fused: bool,
-  ) -> Callable[[Any, Any, Any], Any]:
-    """A branch's output from `inner`'s updates (None: no update).
+  ) -> tuple[Callable[[Any, Any, Any], Any], Callable[..., Any]]:
+    """A branch's output from `inner`'s updates (None: no update), and
+    `inner.update`.
 
-    The fused step returns the parameters, `update` the updates. Each
-    overwritten leaf is assigned its gradient where `assign` holds.
+    The fused step returns the parameters, `update` the updates: zeros when
+    skipped, of the shapes `inner` returns, so `inner.update` is traced
+    once, here, for them and replayed in the step. Each overwritten leaf is
+    assigned its gradient where `assign` holds.
     """
     trained = None if params is None else masked(mask, params)
+
+    def update(g: Any, opt_state: Any, params: Any) -> Any:
+      return self.inner.update(g, opt_state, params, **extra_args)
+
     if not fused:  # `inner` may return another dtype or structure
-      like = jax.eval_shape(
-        lambda: self.inner.update(
-          masked(mask, grads), opt_state, trained, **extra_args
-        )[0]
-      )
+      operands = (masked(mask, grads), opt_state, trained)
+      replay, consts, (like, _) = _cond.hoist(update, operands)
+      update = lambda *operands: replay(consts, operands)  # noqa: E731
 
     def output(params: Any, updates: Any, assign: Any) -> Any:
       if fused and updates is not None:
@@ -789,7 +807,7 @@ class LossScaleOptimizer:
         return base
       return jax.tree.map(pick, mask, base, grads, params)
 
-    return output
+    return output, update
 
   def _check_inputs(
     self, call: str, grads: Any, state: Any, params: Any
@@ -798,7 +816,8 @@ class LossScaleOptimizer:
     _validation.state(call, state, LossScaleOptimizerState)
     check_dtypes(call, state, self._dtypes)
     check_structure(call, grads, params)
-    slots, n = state.last_skip.nonfinite.shape[-1], len(jax.tree.leaves(params))
+    slots = state.last_skip.nonfinite.shape[-1]
+    n = len(jax.tree.leaves(like_grads(params)))
     if params is not None and slots and n != slots:
       raise ValueError(
         f"`{call}`: the parameters have {n} leaves, `init` had {slots} (flax's"

@@ -28,7 +28,10 @@ class Checks(NamedTuple):
 
 
 def masked(mask: Any, tree: Any) -> Any:
-  """`tree` with an `optax.MaskedNode` at each overwritten leaf."""
+  """`tree` with an `optax.MaskedNode` at each overwritten leaf (`tree` as it
+  is when none is: `optax.lookahead`'s parameters differ from the mask)."""
+  if not any(jax.tree.leaves(mask)):
+    return tree
   return jax.tree.map(lambda m, x: optax.MaskedNode() if m else x, mask, tree)
 
 

@@ -652,39 +652,57 @@ def test_an_inner_update_of_another_dtype_and_structure():
   assert float(updates["total"]) == 0 and int(state.skipped_steps) == 1
 
 
-# `update` traces inner a second time, for the shapes of a skipped step's
-# zeros (its docstring says so); the fused step traces it once.
-@pytest.mark.parametrize("entry", ["apply_gradients"])
-def test_inner_is_traced_once_per_trace_of_the_step(entry):
-  calls = []
+def _counted(calls, error=None):
+  """sgd(0.1), counting its traces; raising `error` if given."""
   sgd = optax.sgd(0.1)
 
   def update(updates, state, params=None):
     calls.append(1)
+    if error is not None:
+      raise error
     return sgd.update(updates, state, params)
 
-  tx = ols.LossScaleOptimizer(
-    optax.GradientTransformation(sgd.init, update), ols.DynamicLossScale(4.0)
-  )
+  return optax.GradientTransformation(sgd.init, update)
+
+
+_ROUTES = {
+  "update": lambda tx: tx.update,
+  "apply_gradients": lambda tx: tx.apply_gradients,
+  "gradient_transformation": lambda tx: tx.gradient_transformation().update,
+  "minimize": lambda tx: lambda g, s, p: tx.minimize(
+    lambda p: jnp.sum(p["w"] * g["w"]), p, s
+  )[1:],
+  "minimize with retries": lambda tx: lambda g, s, p: tx.minimize(
+    lambda p: jnp.sum(p["w"] * g["w"]), p, s, max_retries=2
+  )[1:],
+}
+
+
+@pytest.mark.parametrize("window", [None, 2])
+@pytest.mark.parametrize("route", list(_ROUTES))
+def test_inner_is_traced_once_per_trace_of_the_step(route, window):
+  calls = []
+  inner = _counted(calls)
+  if window:
+    inner = optax.MultiSteps(inner, window)
+  tx = ols.LossScaleOptimizer(inner, ols.DynamicLossScale(4.0))
   params = {"w": jnp.ones(2)}
-  step = jax.jit(getattr(tx, entry))
+  step = jax.jit(_ROUTES[route](tx))
   state = tx.init(params)
   for _ in range(3):
     _, state = step(params, state, params)
   assert len(calls) == 1
 
 
-@pytest.mark.parametrize("entry", ["update", "apply_gradients"])
-def test_an_error_of_inner_reaches_the_user_as_it_is(entry):
-  def update(updates, state, params=None):
-    raise TypeError("my inner's own message")
-
-  inner = optax.GradientTransformation(lambda p: optax.EmptyState(), update)
-  tx = ols.LossScaleOptimizer(inner, ols.FixedLossScale(2))
+@pytest.mark.parametrize("route", list(_ROUTES))
+def test_an_error_of_inner_reaches_the_user_once_as_it_is(route):
+  calls = []
+  inner = _counted(calls, TypeError("my inner's own message"))
+  tx = ols.LossScaleOptimizer(inner, ols.DynamicLossScale(2.0))
   params = {"w": jnp.ones(2)}
   with pytest.raises(TypeError, match="my inner's own message") as error:
-    jax.jit(getattr(tx, entry))(params, tx.init(params), params)
-  assert type(error.value) is TypeError
+    jax.jit(_ROUTES[route](tx))(params, tx.init(params), params)
+  assert type(error.value) is TypeError and len(calls) == 1
 
 
 def test_optax_tree_helpers_walk_the_state():
@@ -1330,3 +1348,46 @@ def test_complex_gradients_are_unscaled_part_by_part():
     assert error.get() is None and int(state.skipped_steps) == 1
     unscaled = loss_scale.unscale(grads)["w"]
     assert np.isnan(np.asarray(unscaled)).sum() == 0
+
+
+def test_only_a_top_level_collection_is_overwritten():
+  # flax's rule: `_overwrite_with_gradient` is a top-level key of the
+  # variables. Deeper, it is a parameter like any other: unscaled, trained.
+  tx = ols.LossScaleOptimizer(optax.sgd(1.0), ols.FixedLossScale(2.0))
+  params = {"block": {"_overwrite_with_gradient": {"amax": jnp.zeros(3)}}}
+  grads = {"block": {"_overwrite_with_gradient": {"amax": jnp.full(3, 4.0)}}}
+  new, state = tx.apply_gradients(grads, tx.init(params), params)
+  amax = new["block"]["_overwrite_with_gradient"]["amax"]
+  np.testing.assert_array_equal(amax, -2.0)
+  assert float(state.grad_norm) == pytest.approx(np.sqrt(12.0))
+
+
+@pytest.mark.parametrize("route", ["update", "apply_gradients", "chain"])
+def test_lookahead_runs_as_optax_runs_it(route):
+  # optax.lookahead's parameters (fast and slow weights) differ in structure
+  # from the gradients (of the fast weights), as Optax allows.
+  la = optax.lookahead(optax.sgd(0.1), sync_period=2, slow_step_size=0.5)
+  params = optax.LookaheadParams.init_synced({"w": jnp.ones(3)})
+  batches = [8.0, INF, 8.0, 16.0, 8.0]
+  if route == "chain":
+    tx = optax.chain(ols.unscale_gradients(ols.FixedLossScale(8.0)), la)
+    batches = [8.0, 8.0, 16.0]  # the chain itself skips nothing
+  else:
+    tx = ols.LossScaleOptimizer(la, ols.FixedLossScale(8.0))
+  expected, la_state = params, la.init(params)
+  state, p = tx.init(params), params
+  for g in batches:
+    grads = {"w": jnp.full(3, g)}
+    if route == "apply_gradients":
+      p, state = jax.jit(tx.apply_gradients)(grads, state, p)
+    else:
+      updates, state = jax.jit(tx.update)(grads, state, p)
+      p = optax.apply_updates(p, updates)
+    if np.isfinite(g):
+      unscaled = {"w": jnp.full(3, g / 8.0)}
+      updates, la_state = la.update(unscaled, la_state, expected)
+      expected = optax.apply_updates(expected, updates)
+  chex.assert_trees_all_close(p, expected, rtol=1e-6)
+  if route != "chain":
+    assert int(state.skipped_steps) == 1
+    assert ols.skip_reports(state)[0].nonfinite == ("['w']",)
