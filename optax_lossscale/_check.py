@@ -40,9 +40,16 @@ def _array(x: Any) -> Any:
 
 
 def _check(
-  where: str, value: Any, dtype: Any, shape: Any, low: float, high: float
+  where: str,
+  value: Any,
+  dtype: Any,
+  shape: Any,
+  low: float,
+  high: float,
+  per_leaf: bool = False,
 ) -> None:
-  """`value`'s dtype, its shape (the state's, or one axis more), its range."""
+  """`value`'s dtype, its shape (the state's, or with `per_leaf` one axis
+  more), its range."""
   value = _array(value)
   if isinstance(value, numbers.Number) or value is None:
     got = _validation.describe(value)
@@ -50,7 +57,6 @@ def _check(
       f"{where} must be an array of {np.dtype(dtype)}, got {got}."
     )
   _validation.array_dtype(where, value, dtype)
-  per_leaf = where.endswith(("nonfinite`", "leaf_names`"))
   got = np.shape(value)[: -1 if per_leaf else None]
   if shape is not None and (got != shape or per_leaf and not np.ndim(value)):
     plus = ", plus one axis" if per_leaf else ""
@@ -124,7 +130,10 @@ def _check_optimizer_state(state: LossScaleOptimizerState, path: str) -> None:
       )
     for name, want in vars(empty).items():
       where = f"`{path}.{field}.{name}`"
-      _check(where, getattr(record, name), want.dtype, shape, 0, np.inf)
+      low = -1 if field == "last_nonfinite_write" and name == "step" else 0
+      per_leaf = name in ("nonfinite", "leaf_names")
+      value = getattr(record, name)
+      _check(where, value, want.dtype, shape, low, np.inf, per_leaf)
     raw = _validation.host_values(_array(state.last_skip.leaf_names))
     names = None if raw is None else len(state.last_skip.names())
     flags = np.shape(_array(record.nonfinite))

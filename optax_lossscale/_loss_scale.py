@@ -66,6 +66,11 @@ class LossScale(abc.ABC):
   `get_config`; it may implement `lowered` to support
   `LossScaleOptimizer.minimize(..., max_retries=k)`.
 
+  Loss scales compare by identity: `DynamicLossScale() == DynamicLossScale()`
+  is False. Their leaves are arrays, whose `==` is elementwise and, under
+  `jit`, has no truth value. Compare the scales, `float(a()) == float(b())`,
+  or the hyperparameters, `a.get_config() == b.get_config()`.
+
   Examples:
     >>> import jax.numpy as jnp
     >>> import optax_lossscale as ols

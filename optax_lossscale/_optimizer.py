@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import warnings
 from collections.abc import Callable
@@ -37,6 +38,14 @@ _OVERWRITE = "_overwrite_with_gradient"
 def _in_overwrite_collection(path: tuple[Any, ...]) -> bool:
   # flax's rule: a top-level key of the variables (`TrainState`, fp8_ops).
   return bool(path) and getattr(path[0], "key", None) == _OVERWRITE
+
+
+def leaf_name(path: tuple[Any, ...]) -> str:
+  """A leaf's name in reports and errors; an NNX variable's `.value` is
+  left out (the variable is the parameter)."""
+  if path and getattr(path[-1], "name", None) == "value":
+    path = path[:-1]
+  return jax.tree_util.keystr(path) or "<root>"
 
 
 def like_grads(params: Any) -> Any:
@@ -98,7 +107,7 @@ def check_structure(call: str, grads: Any, params: Any) -> None:
     jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_none)
     for tree in (grads, params)
   ]
-  keys = [[jax.tree_util.keystr(k) for k, _ in pair] for pair in pairs]
+  keys = [[leaf_name(k) for k, _ in pair] for pair in pairs]
   if keys[0] != keys[1]:
     odd = sorted(set(keys[0]) ^ set(keys[1]))[:3] or "the tree types"
     raise ValueError(
@@ -106,7 +115,7 @@ def check_structure(call: str, grads: Any, params: Any) -> None:
       f" (at {odd})."
     )
   for (path, g), (_, p) in zip(*pairs, strict=True):
-    name = jax.tree_util.keystr(path) or "<root>"
+    name = leaf_name(path)
     if g is None and p is not None:
       raise ValueError(
         f"`{call}`: the gradient at {name} is None, its parameter not."
@@ -125,6 +134,20 @@ def check_structure(call: str, grads: Any, params: Any) -> None:
         " step would differ in type. Average the gradients first:"
         " `grads = jax.lax.pmean(grads, axis_name)`."
       )
+
+
+def _mismatch(call: str, paths: list[Any], slots: int) -> str:
+  """The parameters' subtrees, when their leaves are not `init`'s."""
+  counts = collections.Counter(leaf_name(path[:1]) for path, _ in paths)
+  fits = [k for k, n in counts.items() if n == slots]
+  others = [k for k in counts if fits and k != fits[0]]
+  return (
+    f"`{call}`: the parameters have {len(paths)} leaves"
+    f" ({', '.join(f'{k}: {n}' for k, n in counts.items())}), `init` had"
+    f" {slots}"
+    + (f"; were {', '.join(others)} not given to `init`?" if others else "")
+    + " (flax's `TrainState.create` inits it on `params['params']` only)."
+  )
 
 
 def decide(
@@ -159,6 +182,7 @@ def _skip_record(
   slots = state.last_skip.nonfinite.shape[-1]  # none after `init(None)`
   return dataclasses.replace(
     state.last_skip,
+    step=state.steps,
     loss_scale=tried(),
     next_loss_scale=next_loss_scale(),
     consecutive_skipped_steps=optax.safe_increment(
@@ -186,9 +210,9 @@ def _write_record(
   if len(leaves) != last.nonfinite.shape[-1]:  # `update` without parameters
     return last
   finite = _numerics.agree(_numerics.finite_flags(leaves), axis_name)
-  applied = state.steps - state.consecutive_skipped_steps  # the last applied
+  applied = state.steps - state.consecutive_skipped_steps - 1  # the last one
   new = WriteRecord(applied, ~finite)
-  return tree_where(jnp.all(finite) | (applied < 1), last, new)  # type: ignore[no-any-return]
+  return tree_where(jnp.all(finite) | (applied < 0), last, new)  # type: ignore[no-any-return]
 
 
 def _next_state(
@@ -371,7 +395,6 @@ class LossScaleOptimizer:
     )
     self.axis_name = axis_name
     self.overwrite_with_gradient = overwrite_with_gradient
-    self._warned_float16 = False
     # What every state's own leaves are (outside any trace: under
     # `shard_map`, the loss scale's arrays could not be closed over).
     self._dtypes = jax.eval_shape(lambda: self._fresh(None, []))
@@ -387,11 +410,10 @@ class LossScaleOptimizer:
       A `LossScaleOptimizerState` of fresh arrays (safe to donate).
     """
     paths = jax.tree_util.tree_flatten_with_path(like_grads(params))[0]
-    names = [jax.tree_util.keystr(path) or "<root>" for path, _ in paths]
+    names = [leaf_name(path) for path, _ in paths]
     trained = masked(self._mask("LossScaleOptimizer.init", params), params)
     inner_state = (self._multi or self.inner).init(trained)
-    if not self._warned_float16 and _float16(trained) and _float16(inner_state):
-      self._warned_float16 = True
+    if _float16(trained) and _float16(inner_state):  # once per call site
       warnings.warn(_FLOAT16, stacklevel=2)
     return self._fresh(inner_state, names)
 
@@ -540,6 +562,11 @@ class LossScaleOptimizer:
       8388608.0
     """
     call = "LossScaleOptimizer.minimize"
+    if not callable(fun):
+      raise TypeError(
+        f"`{call}(fun, params, state)`: the first argument must be the loss"
+        f" function, got {_validation.describe(fun)}."
+      )
     _validation.integer(call, "max_retries", max_retries, minimum=0)
     self._check_inputs(call, None, state, params)
     value_and_grad = scaled_value_and_grad(fun, has_aux=has_aux)
@@ -817,12 +844,9 @@ class LossScaleOptimizer:
     check_dtypes(call, state, self._dtypes)
     check_structure(call, grads, params)
     slots = state.last_skip.nonfinite.shape[-1]
-    n = len(jax.tree.leaves(like_grads(params)))
-    if params is not None and slots and n != slots:
-      raise ValueError(
-        f"`{call}`: the parameters have {n} leaves, `init` had {slots} (flax's"
-        " `TrainState.create` inits it on `params['params']` only)."
-      )
+    paths = jax.tree_util.tree_leaves_with_path(like_grads(params))
+    if params is not None and slots and len(paths) != slots:
+      raise ValueError(_mismatch(call, paths, slots))
 
   def _decide(
     self,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -26,21 +26,26 @@ class SkipReport(NamedTuple):
   `str(report)` is the line `SkipMonitor` logs.
 
   Attributes:
+    step: the skipped step's number: how many steps came before it, so the
+      first step is 0, as in a Python loop (the numbering of
+      `state.steps`).
     loss_scale: the scale of the skipped step.
     next_loss_scale: the scale for the next step.
     skipped_steps: how many steps were skipped in all.
     consecutive_skipped_steps: how many in a row, this one included.
     loss_finite: whether the loss (`value=`) was finite; None if not given.
-    nonfinite: the names of the gradient leaves with non-finite values.
+    nonfinite: the names of the gradient leaves with non-finite values (all
+      of them; the text names the first three and counts the others).
     member: the member's index in a state stacked over `vmap` members or
       `pmap` replicas (row-major over several axes); None if unbatched.
 
   Examples:
     >>> import optax_lossscale as ols
-    >>> print(ols.SkipReport(1024.0, 512.0, 3, 1, True, ("['w']",)))
-    skipped step (1 in a row, 3 in all): loss scale 1024 -> 512; loss finite; non-finite gradients: ['w']
+    >>> print(ols.SkipReport(7, 1024.0, 512.0, 3, 1, True, ("['w']",)))
+    skipped step 7 (1 in a row, 3 in all): loss scale 1024 -> 512; loss finite; non-finite gradients: ['w']
   """
 
+  step: int
   loss_scale: float
   next_loss_scale: float
   skipped_steps: int
@@ -57,11 +62,20 @@ class SkipReport(NamedTuple):
     }
     member = "" if self.member is None else f"member {self.member}: "
     return (
-      f"{member}skipped step ({self.consecutive_skipped_steps} in a row,"
-      f" {self.skipped_steps} in all): loss scale {self.loss_scale:g} ->"
-      f" {self.next_loss_scale:g}; {loss[self.loss_finite]};"
-      f" non-finite gradients: {', '.join(self.nonfinite) or 'none'}"
+      f"{member}skipped step {self.step} ({self.consecutive_skipped_steps} in"
+      f" a row, {self.skipped_steps} in all): loss scale"
+      f" {self.loss_scale:g} -> {self.next_loss_scale:g};"
+      f" {loss[self.loss_finite]}; non-finite gradients:"
+      f" {_listed(self.nonfinite)}"
     )
+
+
+def _listed(names: Sequence[str], first: int = 3) -> str:
+  """`names` joined, or the first few and how many more."""
+  if len(names) <= first + 1:
+    return ", ".join(names) or "none"
+  shown = ", ".join(names[:first])
+  return f"{len(names)} leaves: {shown}, ... and {len(names) - first} more"
 
 
 class ConsecutiveSkipsError(RuntimeError):
@@ -126,6 +140,7 @@ def _report(members: _Members, m: int) -> SkipReport | None:
   if record["consecutive_skipped_steps"] == 0:
     return None
   return SkipReport(
+    step=int(record["step"]),
     loss_scale=float(record["loss_scale"]),
     next_loss_scale=float(record["next_loss_scale"]),
     skipped_steps=int(members.skipped[m]),
@@ -159,12 +174,13 @@ def _write_message(members: _Members, ms: list[int]) -> str:
   """Which parameters of members `ms` an update made non-finite, and the fix."""
   m, step = ms[0], members.write_step[ms[0]]
   member = f" (members {ms})" if members.batched else ""
-  bad = (
+  bad = [
     n for n, no in zip(members.names, members.written[m], strict=True) if no
-  )
+  ]
   return (
     f"LossScaleOptimizer{member}: a skipped step was given non-finite"
-    f" parameters: {', '.join(bad)}. Step {step}, the last one applied, wrote"
+    f" parameters: {_listed(bad)}. Step {step} (the steps before it: the"
+    " first step is 0), the last one applied, wrote"
     " them from finite gradients (or an earlier step, if they did not reach"
     " the loss): float16 parameters or optimizer state (Optax's `eps`, 1e-8"
     " in Adam, is 0 in float16), or a learning rate too large. Keep both in"
@@ -188,7 +204,7 @@ def _stop_message(members: _Members, m: int, limit: int) -> str:
   where = "at its floor (min_loss_scale)" if at_floor else "above its floor"
   what = (
     f" The last skipped step ran at loss scale {report.loss_scale:g}, {where}."
-    f" Leaves with non-finite gradients: {', '.join(report.nonfinite) or 'none'}."
+    f" Leaves with non-finite gradients: {_listed(report.nonfinite)}."
   )
   cause = "floor" if at_floor else "falling"
   fix = _FIXES["loss" if report.loss_finite is False else cause]
@@ -226,7 +242,7 @@ def skip_reports(opt_state: Any) -> list[SkipReport]:
     []
     >>> _, state = tx.update({"w": jnp.array([jnp.inf, 1.0])}, state, params)
     >>> print(*ols.skip_reports(state))
-    skipped step (1 in a row, 1 in all): loss scale 32768 -> 16384; no loss given; non-finite gradients: ['w']
+    skipped step 0 (1 in a row, 1 in all): loss scale 32768 -> 16384; no loss given; non-finite gradients: ['w']
 
     A `vmap` ensemble of three members:
 
@@ -234,7 +250,7 @@ def skip_reports(opt_state: Any) -> list[SkipReport]:
     >>> grads = {"w": jnp.array([[1.0, 1.0], [jnp.nan, 1.0], [1.0, 1.0]])}
     >>> _, state = jax.vmap(tx.update)(grads, jax.vmap(tx.init)(params), params)
     >>> print(*ols.skip_reports(state))
-    member 1: skipped step (1 in a row, 1 in all): loss scale 32768 -> 16384; no loss given; non-finite gradients: ['w']
+    member 1: skipped step 0 (1 in a row, 1 in all): loss scale 32768 -> 16384; no loss given; non-finite gradients: ['w']
   """
   members = _read("skip_reports", opt_state)
   reports = (_report(members, m) for m in range(members.skipped.size))
@@ -246,10 +262,12 @@ def _log_warning(report: SkipReport) -> None:
   _LOGGER.warning("%s", report)
 
 
-def _changed(seen: np.ndarray | None, now: np.ndarray) -> np.ndarray:
-  """The members whose count is not the one `seen` (from 0, at first)."""
+def _changed(
+  seen: np.ndarray | None, now: np.ndarray, start: int = 0
+) -> np.ndarray:
+  """The members whose count is not the one `seen` (`start`, at first)."""
   same = seen is not None and seen.shape == now.shape
-  return np.flatnonzero(now != (seen if same else 0))
+  return np.flatnonzero(now != (seen if same else start))
 
 
 class SkipMonitor:
@@ -347,9 +365,9 @@ class SkipMonitor:
     if self.log is not None:
       for report in reports:
         self.log(report)
-    wrote = _changed(self._seen_write, members.write_step)
+    wrote = _changed(self._seen_write, members.write_step, start=-1)
     self._seen_write = members.write_step.copy()
-    wrote = wrote[members.write_step[wrote] > 0]
+    wrote = wrote[members.write_step[wrote] >= 0]
     if wrote.size:
       raise FloatingPointError(_write_message(members, wrote.tolist()))
     limit = self.max_consecutive_skips

@@ -61,6 +61,8 @@ class SkipRecord:
   per member.
 
   Attributes:
+    step: the skipped step's number: how many steps came before it (int32),
+      so the first step is 0, as in a Python loop; 0 before the first skip.
     loss_scale: the scale of the skipped step (float32).
     next_loss_scale: the scale for the step after it (float32).
     consecutive_skipped_steps: how many steps in a row were skipped, this
@@ -72,11 +74,13 @@ class SkipRecord:
     nonfinite: per leaf of the parameters, whether its unscaled gradient
       held a non-finite value (bool, one more axis), agreed across replicas.
     leaf_names: the leaves' names (`jax.tree_util.keystr` of their paths in
-      the parameters given to `init`), as UTF-8 bytes, each ended by a
+      the parameters given to `init`, without an NNX variable's `.value`),
+      as UTF-8 bytes, each ended by a
       newline (uint8, one more axis), so that a restored state still names
       them; `names()` decodes them.
   """
 
+  step: jax.Array
   loss_scale: jax.Array
   next_loss_scale: jax.Array
   consecutive_skipped_steps: jax.Array
@@ -92,6 +96,7 @@ class SkipRecord:
     text = "".join(f"{name}\n" for name in names).encode()
     no = jnp.array(False)
     return cls(
+      step=jnp.zeros((), jnp.int32),
       loss_scale=jnp.copy(loss_scale),
       next_loss_scale=jnp.copy(loss_scale),
       consecutive_skipped_steps=jnp.zeros((), jnp.int32),
@@ -122,9 +127,9 @@ class WriteRecord:
   `SkipMonitor` raises when it sees a new one.
 
   Attributes:
-    step: the last step applied before that skipped step (its number in
-      `LossScaleOptimizerState.steps`), which wrote the values, unless they
-      did not reach the loss; 0 if none (int32).
+    step: the number of the last step applied before that skipped step
+      (how many steps came before it, so the first step is 0), which wrote
+      the values, unless they did not reach the loss; -1 if none (int32).
     nonfinite: per leaf of the parameters, whether it held a non-finite
       value (bool, one more axis).
   """
@@ -135,7 +140,7 @@ class WriteRecord:
   @classmethod
   def empty(cls, leaves: int) -> WriteRecord:
     """The record of no such step, for parameters of `leaves` leaves."""
-    return cls(jnp.zeros((), jnp.int32), jnp.zeros((leaves,), jnp.bool_))
+    return cls(jnp.full((), -1, jnp.int32), jnp.zeros((leaves,), jnp.bool_))
 
 
 class LossScaleOptimizerState(NamedTuple):

@@ -352,7 +352,7 @@ def test_check_state_checks_the_write_record():
   state = _state()
   record = state.last_nonfinite_write
   wrong = [
-    (dataclasses.replace(record, step=jnp.int32(-1)), ValueError, "step"),
+    (dataclasses.replace(record, step=jnp.int32(-2)), ValueError, "step"),
     (dataclasses.replace(record, step=jnp.float32(1)), TypeError, "step"),
     (
       dataclasses.replace(record, nonfinite=jnp.zeros(3, bool)),

@@ -366,7 +366,7 @@ def test_minimize_names_a_bad_argument():
     tx.minimize(_loss, params, state, X, max_retries=1.0)
   with pytest.raises(TypeError, match=r"\(has_aux=...\)` must be a bool"):
     tx.minimize(_loss, params, state, X, has_aux=1)
-  with pytest.raises(TypeError, match=r"takes a callable, got int 3"):
+  with pytest.raises(TypeError, match=r"must be the loss function, got int 3"):
     tx.minimize(3, params, state)
 
 

@@ -669,12 +669,14 @@ _ROUTES = {
   "update": lambda tx: tx.update,
   "apply_gradients": lambda tx: tx.apply_gradients,
   "gradient_transformation": lambda tx: tx.gradient_transformation().update,
-  "minimize": lambda tx: lambda g, s, p: tx.minimize(
-    lambda p: jnp.sum(p["w"] * g["w"]), p, s
-  )[1:],
-  "minimize with retries": lambda tx: lambda g, s, p: tx.minimize(
-    lambda p: jnp.sum(p["w"] * g["w"]), p, s, max_retries=2
-  )[1:],
+  "minimize": lambda tx: (
+    lambda g, s, p: tx.minimize(lambda p: jnp.sum(p["w"] * g["w"]), p, s)[1:]
+  ),
+  "minimize with retries": lambda tx: (
+    lambda g, s, p: tx.minimize(
+      lambda p: jnp.sum(p["w"] * g["w"]), p, s, max_retries=2
+    )[1:]
+  ),
 }
 
 
@@ -1093,13 +1095,20 @@ def test_a_none_gradient_needs_a_none_parameter():
     tx.apply_gradients({"w": jnp.ones(2), "f": None}, tx.init(params), params)
 
 
-def test_init_warns_once_for_float16_parameters_with_a_float16_state():
+def test_init_warns_for_float16_parameters_with_a_float16_state():
   half = {"w": jnp.ones(3, jnp.float16)}
   tx = ols.LossScaleOptimizer(optax.adam(1e-3), ols.DynamicLossScale())
   with pytest.warns(UserWarning, match="float16 parameters") as caught:
     tx.init(half)
   assert "float32" in str(caught[0].message)
-  tx.init(half)  # once per optimizer: filterwarnings=error would raise
+  assert caught[0].filename == __file__  # it points at the caller
+  before = {name: id(value) for name, value in vars(tx).items()}
+  with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("default")  # Python's filter: once per place
+    for _ in range(3):
+      tx.init(half)
+  assert len(seen) == 1
+  assert {name: id(value) for name, value in vars(tx).items()} == before
   quiet = [
     (optax.adam(1e-3), {"w": jnp.ones(3)}),  # float32 parameters
     (optax.sgd(0.1), half),  # no state
@@ -1139,9 +1148,52 @@ def test_parameters_other_than_init_s_are_named():
   ]
   for call in calls:
     with pytest.raises(
-      ValueError, match=r"2 leaves, `init` had 1 .*TrainState"
+      ValueError,
+      match=r"2 leaves \(\['params'\]: 1, \['stats'\]: 1\), `init`"
+      r" had 1; were \['stats'\] not given to `init`\? .*TrainState",
     ):
       call()
+
+
+def test_a_mismatch_names_the_subtree_init_did_not_have():
+  # A linen model with BatchNorm: init had `variables["params"]` (6 leaves),
+  # the step all of `variables` (8): the message names `batch_stats`.
+  layer = {"kernel": jnp.ones((2, 2)), "bias": jnp.ones(2)}
+  variables = {
+    "params": {"Dense_0": layer, "Dense_1": layer, "BatchNorm_0": layer},
+    "batch_stats": {"BatchNorm_0": {"mean": jnp.ones(2), "var": jnp.ones(2)}},
+  }
+  tx = ols.LossScaleOptimizer(optax.adam(0.1), ols.DynamicLossScale())
+  state = tx.init(variables["params"])
+  with pytest.raises(ValueError) as error:
+    jax.jit(tx.apply_gradients)(variables, state, variables)
+  assert str(error.value) == (
+    "`LossScaleOptimizer.apply_gradients`: the parameters have 8 leaves"
+    " (['batch_stats']: 2, ['params']: 6), `init` had 6; were"
+    " ['batch_stats'] not given to `init`? (flax's `TrainState.create` inits"
+    " it on `params['params']` only)."
+  )
+
+
+def test_minimize_with_its_arguments_swapped_says_which_comes_first():
+  params = {"w": jnp.ones(2)}
+  state = TX.init(params)
+  with pytest.raises(
+    TypeError, match=r"the first argument must be the loss function, got dict"
+  ):
+    TX.minimize(params, lambda p: jnp.sum(p["w"]), state)
+
+
+def test_nnx_leaves_are_named_without_value():
+  from flax import nnx
+
+  model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+  params = nnx.state(model, nnx.Param)
+  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale())
+  grads = jax.tree.map(lambda p: jnp.full(p.shape, NAN), params)
+  _, state = tx.update(grads, tx.init(params), params)
+  assert state.last_skip.names() == ("['bias']", "['kernel']")
+  assert ols.skip_reports(state)[0].nonfinite == ("['bias']", "['kernel']")
 
 
 # --- the norm and the clip, from the one read -----------------------------------
@@ -1391,3 +1443,17 @@ def test_lookahead_runs_as_optax_runs_it(route):
   if route != "chain":
     assert int(state.skipped_steps) == 1
     assert ols.skip_reports(state)[0].nonfinite == ("['w']",)
+
+
+def test_float0_gradients_reach_inner_as_they_are():
+  # The check ignores them and `inner` gets them as given: a masked `inner`
+  # passes them on; Optax's sgd, and `optax.apply_updates`, reject them.
+  params = {"w": jnp.ones(2), "n": jnp.array(3)}
+  grads = jax.grad(lambda p: jnp.sum(p["w"] * p["n"]), allow_int=True)(params)
+  inner = optax.masked(optax.sgd(0.1), {"w": True, "n": False})
+  tx = ols.LossScaleOptimizer(inner, ols.FixedLossScale(2.0))
+  updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
+  assert updates["n"].dtype == jax.dtypes.float0 and bool(state.should_apply)
+  np.testing.assert_allclose(updates["w"], -0.15)
+  with pytest.raises(TypeError, match="float0"):
+    tx.apply_gradients(grads, tx.init(params), params)

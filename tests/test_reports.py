@@ -58,28 +58,37 @@ def test_skip_reports_record_skipped_steps_only_and_name_the_leaves():
   for step in [(GOOD, 1), (BAD_W, 1), (GOOD, NAN), (GOOD, 1), (BAD_W, None)]:
     state = _run(state, [step])
     reports.append(_only(state))
-  first = ols.SkipReport(8.0, 4.0, 1, 1, True, ("['w']",))
-  second = ols.SkipReport(4.0, 4.0, 2, 2, False, ())  # the loss: scale kept
+  # Numbered as a Python loop numbers them: the steps before each.
+  first = ols.SkipReport(1, 8.0, 4.0, 1, 1, True, ("['w']",))
+  second = ols.SkipReport(2, 4.0, 4.0, 2, 2, False, ())  # the loss: kept
   assert reports == [
     None,
     first,
     second,
     second,
-    ols.SkipReport(4.0, 2.0, 3, 1, None, ("['w']",)),
+    ols.SkipReport(4, 4.0, 2.0, 3, 1, None, ("['w']",)),
   ]
   assert state.last_skip.names() == ("['v']", "['w']")
 
 
 def test_a_skip_report_prints_as_one_line():
-  report = ols.SkipReport(1024.0, 512.0, 3, 2, False, ("['a']", "['b']"))
+  report = ols.SkipReport(41, 1024.0, 512.0, 3, 2, False, ("['a']", "['b']"))
   assert str(report) == (
-    "skipped step (2 in a row, 3 in all): loss scale 1024 -> 512; loss"
+    "skipped step 41 (2 in a row, 3 in all): loss scale 1024 -> 512; loss"
     " NON-FINITE; non-finite gradients: ['a'], ['b']"
   )
   member = report._replace(member=5, loss_finite=None, nonfinite=())
   assert str(member) == (
-    "member 5: skipped step (2 in a row, 3 in all): loss scale 1024 -> 512;"
-    " no loss given; non-finite gradients: none"
+    "member 5: skipped step 41 (2 in a row, 3 in all): loss scale 1024 ->"
+    " 512; no loss given; non-finite gradients: none"
+  )
+  names = tuple(f"['blocks'][{i}]['fc1']" for i in range(38))
+  assert str(report._replace(nonfinite=names)).endswith(
+    "non-finite gradients: 38 leaves: ['blocks'][0]['fc1'],"
+    " ['blocks'][1]['fc1'], ['blocks'][2]['fc1'], ... and 35 more"
+  )
+  assert str(report._replace(nonfinite=names[:4])).endswith(
+    "['blocks'][2]['fc1'], ['blocks'][3]['fc1']"  # four: all named
   )
 
 
@@ -139,10 +148,10 @@ def test_skip_monitor_logs_each_new_skip_once_as_a_warning(caplog):
     r.getMessage() for r in caplog.records if r.name == "optax_lossscale"
   ]
   assert lines == [
-    "skipped step (1 in a row, 1 in all): loss scale 8 -> 4; no loss given;"
-    " non-finite gradients: ['w']",
-    "skipped step (3 in a row, 3 in all): loss scale 2 -> 1; no loss given;"
-    " non-finite gradients: ['w']",
+    "skipped step 0 (1 in a row, 1 in all): loss scale 8 -> 4; no loss"
+    " given; non-finite gradients: ['w']",
+    "skipped step 2 (3 in a row, 3 in all): loss scale 2 -> 1; no loss"
+    " given; non-finite gradients: ['w']",
   ]
   assert all(r.levelname == "WARNING" for r in caplog.records)
 
@@ -214,7 +223,9 @@ def test_the_stop_rule_raises_at_the_limit_and_only_reads_the_state(donate):
     " Leaves with non-finite gradients: ['w']." in message
   )
   assert "lower min_loss_scale" in message and "float32" in message
-  assert error.value.report == ols.SkipReport(1.0, 1.0, 3, 3, True, ("['w']",))
+  assert error.value.report == ols.SkipReport(
+    2, 1.0, 1.0, 3, 3, True, ("['w']",)
+  )
   # The monitor only reads: the state is intact, and it raises again as
   # long as the streak lasts.
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(state), kept)
@@ -231,7 +242,9 @@ def test_the_stop_rule_s_advice_for_a_nonfinite_loss_is_not_the_scale():
   message = str(error.value)
   assert "the loss itself was not finite, which no loss scale fixes" in message
   assert "lower min_loss_scale" not in message
-  assert error.value.report == ols.SkipReport(8.0, 8.0, 2, 2, False, ("['w']",))
+  assert error.value.report == ols.SkipReport(
+    1, 8.0, 8.0, 2, 2, False, ("['w']",)
+  )
 
 
 def test_the_stop_rule_s_advice_above_the_floor_is_not_to_lower_it():
@@ -285,7 +298,9 @@ def test_skip_reports_and_the_monitor_read_each_member(caplog):
   _, state = VSTEP(_vgrads(0, 1), state, VPARAMS)  # two members, one step
   with caplog.at_level("WARNING", logger="optax_lossscale"):
     assert ols.SkipMonitor()(state).member == 0
-  line = "skipped step (1 in a row, 1 in all): loss scale 8 -> 4; no loss given"
+  line = (
+    "skipped step 0 (1 in a row, 1 in all): loss scale 8 -> 4; no loss given"
+  )
   assert [r.getMessage() for r in caplog.records] == [
     f"member 0: {line}; non-finite gradients: ['w']",
     f"member 1: {line}; non-finite gradients: ['w']",
@@ -385,11 +400,11 @@ def test_the_monitor_names_parameters_that_an_applied_update_made_nonfinite():
   for _ in range(4):  # the loss is NaN: skipped, and the monitor not read
     loss, params, state = step(params, state)
   assert not bool(state.should_apply) and int(state.steps) == 5
-  assert int(state.last_nonfinite_write.step) == 1  # the step that wrote it
+  assert int(state.last_nonfinite_write.step) == 0  # the step that wrote it
   with pytest.raises(FloatingPointError) as raised:
     monitor(state)
   message = str(raised.value)
-  for part in ["Step 1,", "before step 1", "['w']", "float16", "`eps`"]:
+  for part in ["Step 0 ", "before step 0", "['w']", "float16", "`eps`"]:
     assert part in message, (part, message)
   assert "['b']" not in message
   _, params, state = step(params, state)
@@ -401,7 +416,7 @@ def test_the_monitor_names_parameters_that_an_applied_update_made_nonfinite():
 def test_a_skipped_step_with_finite_parameters_records_no_write():
   state = _run(TX.init(PARAMS), [(BAD_W, None), (GOOD, NAN)])
   assert int(state.skipped_steps) == 2 and int(state.steps) == 2
-  assert int(state.last_nonfinite_write.step) == 0
+  assert int(state.last_nonfinite_write.step) == -1
   assert not np.asarray(state.last_nonfinite_write.nonfinite).any()
   assert ols.SkipMonitor(log=None)(state) is not None  # a skip, no raise
 
@@ -411,9 +426,9 @@ def test_the_monitor_names_the_members_whose_parameters_are_nonfinite():
   params = {"w": jnp.ones((3, 2))}
   state = jax.vmap(tx.init)(params)
   step = jax.jit(jax.vmap(tx.update))
-  _, state = step({"w": jnp.ones((3, 2))}, state, params)  # applied: step 1
+  _, state = step({"w": jnp.ones((3, 2))}, state, params)  # applied: step 0
   nan = {"w": params["w"].at[1:, 0].set(NAN)}  # members 1 and 2
   _, state = step(nan, state, nan)  # skipped by 1 and 2
-  assert np.asarray(state.last_nonfinite_write.step).tolist() == [0, 1, 1]
+  assert np.asarray(state.last_nonfinite_write.step).tolist() == [-1, 0, 0]
   with pytest.raises(FloatingPointError, match=r"members \[1, 2\].*\['w'\]"):
     ols.SkipMonitor(log=None)(state)
