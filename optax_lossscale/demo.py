@@ -352,7 +352,8 @@ def dropped_batches(data: tuple[np.ndarray, ...], args: Any) -> dict[str, int]:
   TensorFlow's defaults (`DynamicLossScale()`: 2**15, increment period 2000)
   through `apply_gradients`, which drops each overflowed batch, against
   `DynamicLossScale(initial_loss_scale=2**24)` and `minimize(...,
-  max_retries=16)`, which recomputes it at a lower scale.
+  max_retries=16)`, which recomputes it at a lower scale and applies it;
+  the scale comes down one halving per overflowed step, as without retries.
   """
   steps = min(100, args.steps)
   tf_tx = ols.LossScaleOptimizer(
