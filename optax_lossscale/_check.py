@@ -130,7 +130,7 @@ def _check_optimizer_state(state: LossScaleOptimizerState, path: str) -> None:
       )
     for name, want in vars(empty).items():
       where = f"`{path}.{field}.{name}`"
-      low = -1 if field == "last_nonfinite_write" and name == "step" else 0
+      low = -1 if name == "step" else 0  # -1: none yet
       per_leaf = name in ("nonfinite", "leaf_names")
       value = getattr(record, name)
       _check(where, value, want.dtype, shape, low, np.inf, per_leaf)

@@ -40,12 +40,19 @@ def _in_overwrite_collection(path: tuple[Any, ...]) -> bool:
   return bool(path) and getattr(path[0], "key", None) == _OVERWRITE
 
 
-def leaf_name(path: tuple[Any, ...]) -> str:
-  """A leaf's name in reports and errors; an NNX variable's `.value` is
-  left out (the variable is the parameter)."""
-  if path and getattr(path[-1], "name", None) == "value":
-    path = path[:-1]
-  return jax.tree_util.keystr(path) or "<root>"
+def leaf_names(tree: Any) -> list[str]:
+  """The names of `tree`'s leaves in reports: their key paths, an NNX
+  variable's being the variable's (without `.value`)."""
+  is_variable = lambda x: any(  # noqa: E731
+    f"{c.__module__}.{c.__name__}" == "flax.nnx.variablelib.Variable"
+    for c in type(x).__mro__
+  )
+  flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_variable)[0]
+  return [
+    jax.tree_util.keystr(path) or "<root>"
+    for path, node in flat
+    for _ in jax.tree.leaves(node)
+  ]
 
 
 def like_grads(params: Any) -> Any:
@@ -107,7 +114,7 @@ def check_structure(call: str, grads: Any, params: Any) -> None:
     jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_none)
     for tree in (grads, params)
   ]
-  keys = [[leaf_name(k) for k, _ in pair] for pair in pairs]
+  keys = [[jax.tree_util.keystr(k) for k, _ in pair] for pair in pairs]
   if keys[0] != keys[1]:
     odd = sorted(set(keys[0]) ^ set(keys[1]))[:3] or "the tree types"
     raise ValueError(
@@ -115,7 +122,7 @@ def check_structure(call: str, grads: Any, params: Any) -> None:
       f" (at {odd})."
     )
   for (path, g), (_, p) in zip(*pairs, strict=True):
-    name = leaf_name(path)
+    name = jax.tree_util.keystr(path) or "<root>"
     if g is None and p is not None:
       raise ValueError(
         f"`{call}`: the gradient at {name} is None, its parameter not."
@@ -138,7 +145,9 @@ def check_structure(call: str, grads: Any, params: Any) -> None:
 
 def _mismatch(call: str, paths: list[Any], slots: int) -> str:
   """The parameters' subtrees, when their leaves are not `init`'s."""
-  counts = collections.Counter(leaf_name(path[:1]) for path, _ in paths)
+  counts = collections.Counter(
+    jax.tree_util.keystr(path[:1]) for path, _ in paths
+  )
   fits = [k for k, n in counts.items() if n == slots]
   others = [k for k in counts if fits and k != fits[0]]
   return (
@@ -177,13 +186,17 @@ def _skip_record(
   next_loss_scale: LossScale,
   checks: Checks,
 ) -> SkipRecord:
-  """The record of a skipped step (a few scalars and a flag per leaf)."""
+  """The record of a skipped step (a few scalars and a flag per leaf).
+
+  Its scale is the step's; `tried` is its last attempt's, which says
+  whether the scale reached its floor.
+  """
   lowered, loss_finite = tried.lowered(), checks.loss_finite
   slots = state.last_skip.nonfinite.shape[-1]  # none after `init(None)`
   return dataclasses.replace(
     state.last_skip,
     step=state.steps,
-    loss_scale=tried(),
+    loss_scale=state.loss_scale(),
     next_loss_scale=next_loss_scale(),
     consecutive_skipped_steps=optax.safe_increment(
       state.consecutive_skipped_steps
@@ -409,9 +422,14 @@ class LossScaleOptimizer:
     Returns:
       A `LossScaleOptimizerState` of fresh arrays (safe to donate).
     """
-    paths = jax.tree_util.tree_flatten_with_path(like_grads(params))[0]
-    names = [leaf_name(path) for path, _ in paths]
-    trained = masked(self._mask("LossScaleOptimizer.init", params), params)
+    names = leaf_names(like_grads(params))
+    mask = self._mask("LossScaleOptimizer.init", params)
+    if params is not like_grads(params) and any(jax.tree.leaves(mask)):
+      raise ValueError(
+        "`LossScaleOptimizer.init`: overwritten (FP8) leaves are not"
+        " supported in `optax.lookahead`'s parameters."
+      )
+    trained = masked(mask, params)
     inner_state = (self._multi or self.inner).init(trained)
     if _float16(trained) and _float16(inner_state):  # once per call site
       warnings.warn(_FLOAT16, stacklevel=2)
@@ -461,7 +479,8 @@ class LossScaleOptimizer:
 
     Raises:
       ValueError: if `grads` and `params` differ in structure or a leaf's
-        shape, naming the leaf; or if, inside `shard_map`, the gradients
+        shape, naming the leaf; if `params` has other leaves than `init`
+        had, naming its subtrees; or if, inside `shard_map`, the gradients
         vary across devices where the state does not.
       TypeError: if `state` is not a `LossScaleOptimizerState`, or a field
         of it was cast to another dtype (naming it), at trace time.
@@ -566,6 +585,13 @@ class LossScaleOptimizer:
       raise TypeError(
         f"`{call}(fun, params, state)`: the first argument must be the loss"
         f" function, got {_validation.describe(fun)}."
+      )
+    if params is not like_grads(params):
+      raise TypeError(
+        f"`{call}` differentiates `fun` in all of `params`, and"
+        " `optax.lookahead`'s gradients are of `params.fast`: call"
+        " `scaled_value_and_grad(fun)(state, params.fast)`, then"
+        " `apply_gradients(grads, state, params)`."
       )
     _validation.integer(call, "max_retries", max_retries, minimum=0)
     self._check_inputs(call, None, state, params)
@@ -727,8 +753,11 @@ class LossScaleOptimizer:
     window = self._every_k is not None
     trained = lambda p: None if p is None else masked(mask, p)  # noqa: E731
     opt = lambda inner: inner.inner_opt_state if window else inner  # noqa: E731
+    # What `inner` is given: under accumulation, the window's gradient in
+    # the accumulator's dtype, as `optax.MultiSteps` gives it.
+    given = state.inner_state.acc_grads if window else masked(mask, grads)
     output, update = self._output(
-      mask, grads, params, opt(state.inner_state), extra_args, fused
+      mask, grads, given, params, opt(state.inner_state), extra_args, fused
     )
 
     def skip(params: Any, inner: Any, wrote: Any) -> Any:
@@ -745,7 +774,6 @@ class LossScaleOptimizer:
     def step(params: Any, inner: Any, wrote: Any) -> Any:
       g, norm = gradient(), checks.norm
       if window:  # the window's norm
-        g = optax.tree.cast_like(g, trained(grads))
         squares = _numerics.sum_of_squares(jax.tree.leaves(g), self.axis_name)
         norm = jnp.sqrt(squares)
       g = self._clip(g, norm, checks.grads_finite)
@@ -794,6 +822,7 @@ class LossScaleOptimizer:
     self,
     mask: Any,
     grads: Any,
+    given: Any,
     params: Any,
     opt_state: Any,
     extra_args: dict[str, Any],
@@ -804,16 +833,18 @@ class LossScaleOptimizer:
 
     The fused step returns the parameters, `update` the updates: zeros when
     skipped, of the shapes `inner` returns, so `inner.update` is traced
-    once, here, for them and replayed in the step. Each overwritten leaf is
-    assigned its gradient where `assign` holds.
+    once, here, on `given` (what it is given), and replayed in the step.
+    Each overwritten leaf is assigned its gradient where `assign` holds.
     """
     trained = None if params is None else masked(mask, params)
 
     def update(g: Any, opt_state: Any, params: Any) -> Any:
       return self.inner.update(g, opt_state, params, **extra_args)
 
-    if not fused:  # `inner` may return another dtype or structure
-      operands = (masked(mask, grads), opt_state, trained)
+    operands = (given, opt_state, trained)
+    if not fused and jax.config.jax_disable_jit:  # eager: `inner` as it is,
+      like = jax.eval_shape(update, *operands)[0]  # its traceback whole
+    elif not fused:  # `inner` may return another dtype or structure
       replay, consts, (like, _) = _cond.hoist(update, operands)
       update = lambda *operands: replay(consts, operands)  # noqa: E731
 

@@ -179,8 +179,8 @@ def _write_message(members: _Members, ms: list[int]) -> str:
   ]
   return (
     f"LossScaleOptimizer{member}: a skipped step was given non-finite"
-    f" parameters: {_listed(bad)}. Step {step} (the steps before it: the"
-    " first step is 0), the last one applied, wrote"
+    f" parameters: {_listed(bad)}. Step {step} (0-based), the last one"
+    " applied, wrote"
     " them from finite gradients (or an earlier step, if they did not reach"
     " the loss): float16 parameters or optimizer state (Optax's `eps`, 1e-8"
     " in Adam, is 0 in float16), or a learning rate too large. Keep both in"
@@ -367,7 +367,7 @@ class SkipMonitor:
         self.log(report)
     wrote = _changed(self._seen_write, members.write_step, start=-1)
     self._seen_write = members.write_step.copy()
-    wrote = wrote[members.write_step[wrote] >= 0]
+    wrote = wrote[members.written[wrote].any(axis=-1)]
     if wrote.size:
       raise FloatingPointError(_write_message(members, wrote.tolist()))
     limit = self.max_consecutive_skips

@@ -62,8 +62,9 @@ class SkipRecord:
 
   Attributes:
     step: the skipped step's number: how many steps came before it (int32),
-      so the first step is 0, as in a Python loop; 0 before the first skip.
-    loss_scale: the scale of the skipped step (float32).
+      so the first step is 0, as in a Python loop; -1 before the first skip.
+    loss_scale: the scale of the skipped step (float32); with retries, the
+      scale it started at.
     next_loss_scale: the scale for the step after it (float32).
     consecutive_skipped_steps: how many steps in a row were skipped, this
       one included (int32); 0 before the first skip.
@@ -96,7 +97,7 @@ class SkipRecord:
     text = "".join(f"{name}\n" for name in names).encode()
     no = jnp.array(False)
     return cls(
-      step=jnp.zeros((), jnp.int32),
+      step=jnp.full((), -1, jnp.int32),
       loss_scale=jnp.copy(loss_scale),
       next_loss_scale=jnp.copy(loss_scale),
       consecutive_skipped_steps=jnp.zeros((), jnp.int32),

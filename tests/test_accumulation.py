@@ -399,3 +399,33 @@ def test_a_micro_batch_retried_at_the_window_s_end_steps_once():
   np.testing.assert_array_equal(params["w"], 1.0 - (1.0 + 100.0) / 2)
   assert int(state.inner_state.gradient_step) == 1 and int(state.retries) == 1
   np.testing.assert_allclose(state.grad_norm, 50.5 * np.sqrt(2), rtol=1e-6)
+
+
+@pytest.mark.parametrize("entry", ["update", "apply_gradients"])
+def test_inner_gets_the_window_in_the_accumulator_s_dtype(entry):
+  # float16 gradients, float32 parameters: `optax.MultiSteps` accumulates in
+  # float32 and gives its inner optimizer float32; so does the window here.
+  # Four micro-batches of 40000 sum past float16's largest (65504).
+  seen = []
+  sgd = optax.sgd(1e-6)
+
+  def update(updates, state, params=None):
+    seen.append(jax.tree.map(lambda u: u.dtype, updates))
+    return sgd.update(updates, state, params)
+
+  inner = optax.GradientTransformation(sgd.init, update)
+  multi = optax.MultiSteps(inner, 4, use_grad_mean=False)
+  tx = ols.LossScaleOptimizer(multi, ols.FixedLossScale(1.0))
+  params = {"w": jnp.zeros(2)}
+  state, p = tx.init(params), params
+  grads = {"w": jnp.full(2, 40000.0, jnp.float16)}
+  step = jax.jit(getattr(tx, entry))
+  for _ in range(4):
+    if entry == "apply_gradients":
+      p, state = step(grads, state, p)
+    else:
+      updates, state = step(grads, state, p)
+      p = optax.apply_updates(p, updates)
+  assert seen == [{"w": jnp.dtype(jnp.float32)}]
+  np.testing.assert_allclose(p["w"], -0.16, rtol=1e-6)  # 1e-6 * 160000
+  assert float(state.grad_norm) == pytest.approx(160000.0 * np.sqrt(2))

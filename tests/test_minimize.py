@@ -192,8 +192,8 @@ def test_a_batch_that_never_fits_is_skipped_under_the_same_rule(
   assert float(state.loss_scale()) == scale
   assert int(state.loss_scale.num_bad_steps) == bad
   chex.assert_trees_all_equal(new_params, params)
-  report = ols.skip_reports(state)[0]  # the last attempt's scale
-  assert (report.loss_scale, report.next_loss_scale) == (2.0**22, scale)
+  report = ols.skip_reports(state)[0]  # the step's scale, not an attempt's
+  assert (report.loss_scale, report.next_loss_scale) == (2.0**24, scale)
 
 
 def test_an_outlier_batch_halves_the_scale_once():
@@ -232,7 +232,9 @@ def test_retries_stop_at_min_loss_scale():
   _, _, state = tx.minimize(_loss, params, tx.init(params), X, max_retries=8)
   assert int(state.retries) == 1 and int(state.skipped_steps) == 1
   assert float(state.loss_scale()) == 2.0**23
-  assert ols.skip_reports(state)[0].loss_scale == 2.0**23
+  report = ols.skip_reports(state)[0]
+  assert report.loss_scale == 2.0**24 and report.next_loss_scale == 2.0**23
+  assert bool(state.last_skip.at_floor)  # its last attempt was at the floor
 
 
 def test_no_retry_when_the_loss_is_not_finite():

@@ -878,11 +878,11 @@ def _close_in_ulps(actual, expected):
 
 def test_vmap_members_equal_running_each_member_alone():
   tx, params = _ensemble()
-  with pytest.warns(UserWarning, match="float16 parameters"):  # once only
+  with pytest.warns(UserWarning, match="float16 parameters"):
     state = jax.vmap(tx.init)(params)
-  alone = [
-    (_member(params, i), tx.init(_member(params, i))) for i in range(MEMBERS)
-  ]
+    alone = [
+      (_member(params, i), tx.init(_member(params, i))) for i in range(MEMBERS)
+    ]
   batched, single = (
     jax.jit(jax.vmap(tx.apply_gradients)),
     jax.jit(tx.apply_gradients),
@@ -1184,6 +1184,22 @@ def test_minimize_with_its_arguments_swapped_says_which_comes_first():
     TX.minimize(params, lambda p: jnp.sum(p["w"]), state)
 
 
+def test_a_leaf_named_value_outside_nnx_keeps_its_name_and_its_checks():
+  @jax.tree_util.register_dataclass
+  @dataclasses.dataclass
+  class Box:
+    value: jax.Array
+    scale: jax.Array
+
+  params = {"a": Box(jnp.ones(2), jnp.ones(1))}
+  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale(8.0))
+  state = tx.init(params)
+  assert state.last_skip.names() == ("['a'].value", "['a'].scale")
+  for entry in ["update", "apply_gradients"]:
+    with pytest.raises(ValueError, match="structures differ"):
+      getattr(tx, entry)({"a": jnp.ones(2)}, state, params)
+
+
 def test_nnx_leaves_are_named_without_value():
   from flax import nnx
 
@@ -1457,3 +1473,41 @@ def test_float0_gradients_reach_inner_as_they_are():
   np.testing.assert_allclose(updates["w"], -0.15)
   with pytest.raises(TypeError, match="float0"):
     tx.apply_gradients(grads, tx.init(params), params)
+
+
+def test_update_keeps_inner_s_traceback_eagerly():
+  # Eagerly (`jax.disable_jit`), `jax_debug_nans` stops in `inner`'s own
+  # code: float16 parameters with Adam, whose eps is 0 in float16.
+  tx = ols.LossScaleOptimizer(optax.adam(1e-3), ols.DynamicLossScale(8.0))
+  params = {"w": jnp.ones(4, jnp.float16)}
+  with pytest.warns(UserWarning, match="float16 parameters"):
+    state = tx.init(params)
+  grads = {"w": jnp.zeros(4, jnp.float16)}
+  for entry in ["update", "apply_gradients"]:
+    with jax.debug_nans(True), jax.disable_jit():
+      with pytest.raises(FloatingPointError) as error:
+        getattr(tx, entry)(grads, state, params)
+    frames = [str(frame.path) for frame in error.traceback]
+    assert any("optax" in f and "_src" in f for f in frames), entry
+
+
+def test_lookahead_in_an_ensemble_and_what_it_refuses():
+  la = optax.lookahead(optax.sgd(0.1), sync_period=2, slow_step_size=0.5)
+  tx = ols.LossScaleOptimizer(la, ols.FixedLossScale(8.0))
+  params = optax.LookaheadParams.init_synced({"w": jnp.ones((3, 2))})
+  grads = {"w": jnp.asarray([[8.0, 8.0], [INF, 8.0], [16.0, 8.0]])}
+  new, state = jax.jit(jax.vmap(tx.apply_gradients))(
+    grads, jax.vmap(tx.init)(params), params
+  )
+  np.testing.assert_allclose(new.fast["w"][:, 1], [0.9, 1.0, 0.9])
+  np.testing.assert_allclose(new.fast["w"][:, 0], [0.9, 1.0, 0.8])
+  chex.assert_trees_all_equal(new.slow, params.slow)  # synced every 2
+  assert np.asarray(state.should_apply).tolist() == [True, False, True]
+  with pytest.raises(TypeError, match="gradients are of `params.fast`"):
+    tx.minimize(lambda p: jnp.sum(p.fast["w"]), params, tx.init(params))
+  fp8 = optax.LookaheadParams.init_synced({"w": jnp.ones(2)})
+  fp8_tx = ols.LossScaleOptimizer(
+    la, ols.FixedLossScale(8.0), overwrite_with_gradient=lambda path: True
+  )
+  with pytest.raises(ValueError, match="not supported in `optax.lookahead`"):
+    fp8_tx.init(fp8)
