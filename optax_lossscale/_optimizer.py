@@ -842,8 +842,9 @@ class LossScaleOptimizer:
       return self.inner.update(g, opt_state, params, **extra_args)
 
     operands = (given, opt_state, trained)
-    if not fused and jax.config.jax_disable_jit:  # eager: `inner` as it is,
-      like = jax.eval_shape(update, *operands)[0]  # its traceback whole
+    eager = jax.config.jax_disable_jit  # type: ignore[attr-defined]
+    if not fused and eager:  # `inner` as it is: its traceback whole
+      like = jax.eval_shape(update, *operands)[0]
     elif not fused:  # `inner` may return another dtype or structure
       replay, consts, (like, _) = _cond.hoist(update, operands)
       update = lambda *operands: replay(consts, operands)  # noqa: E731
