@@ -32,6 +32,10 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # The name the package at an earlier commit is imported under.
 BASELINE_PACKAGE = "optax_lossscale_baseline"
+# The load average when this module loads, before a script measures anything:
+# the header's, wherever the script writes it (at the end, the figure would
+# be the script's own load).
+LOAD_AT_START = os.getloadavg()
 
 
 def compile_step(
@@ -139,8 +143,8 @@ def environment(
 
   Returns:
     The command, backend, device (its kind and how many), host, versions,
-    load average (a busy machine's figures are noisy) and date (UTC), by
-    those names, in that order.
+    load average (`LOAD_AT_START`: a busy machine's figures are noisy) and
+    date (UTC), by those names, in that order.
   """
   device = jax.devices()[0]
   names = ("jax", "jaxlib", "optax", "optax_lossscale", *packages)
@@ -155,7 +159,7 @@ def environment(
     ),
     "versions": ", ".join(versions),
     "load average": "{:.2f}, {:.2f}, {:.2f} (1, 5, 15 min, at start)".format(
-      *os.getloadavg()
+      *LOAD_AT_START
     ),
     "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
   }

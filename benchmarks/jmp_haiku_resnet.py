@@ -1,6 +1,6 @@
 """jmp against `optax_lossscale.jmp` in a small Haiku ResNet train step.
 
-Usage: python benchmarks/jmp_haiku_resnet.py [--quick]
+Usage: python benchmarks/jmp_haiku_resnet.py [--quick] [--out FILE]
 
 Haiku's ImageNet example step, written once against a module: a ResNet-18
 (BatchNorm, 10 classes) with the policy `p=f32,c=f16,o=f32` and BatchNorm
@@ -156,6 +156,7 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="fewer steps")
   parser.add_argument("--batch", type=int, default=8)
+  parser.add_argument("--out", default=str(OUT), help="the markdown file")
   args = parser.parse_args()
   print(_timing.header(packages=PACKAGES), flush=True)
   repeats, rounds, steps = (2, 3, 5) if args.quick else (3, 5, 10)
@@ -204,7 +205,7 @@ def write(args: Any, runs: Any, rounds: int, steps: int) -> None:
     f" {step_ratio:.2f}x (the same first step, up to rounding).",
     "",
   ]
-  OUT.write_text("\n".join(lines))
+  pathlib.Path(args.out).write_text("\n".join(lines))
   print("\n".join(lines))
 
 

@@ -1,6 +1,6 @@
 """jmp against `optax_lossscale.jmp`: memory and compile time of jmp's steps.
 
-Usage: python benchmarks/jmp_select_tree.py [--quick] [--leaves 40 100]
+Usage: python benchmarks/jmp_select_tree.py [--quick] [--leaves 40 100] [--out FILE]
 
 Each step is written once against a module and compiled with jmp and with
 `optax_lossscale.jmp`, in turns, in one process.
@@ -223,6 +223,7 @@ def main() -> None:
     "--depth", type=int, default=50, help="MLP layers (2 leaves each)"
   )
   parser.add_argument("--width", type=int, default=128)
+  parser.add_argument("--out", default=str(OUT), help="the markdown file")
   args = parser.parse_args()
   rounds = 3 if args.quick else 5
   print(_timing.header(packages=PACKAGES), flush=True)
@@ -317,7 +318,7 @@ def write(args: Any, memory: Any, same: bool, compiles: Any, runs: Any) -> None:
     " (the same parameters after a step, within rounding).",
     "",
   ]
-  OUT.write_text("\n".join(lines))
+  pathlib.Path(args.out).write_text("\n".join(lines))
   print("\n".join(lines))
 
 

@@ -1,6 +1,6 @@
 """A whole float16 train step on a small transformer, with and without scaling.
 
-Usage: python benchmarks/train_step.py [--quick]
+Usage: python benchmarks/train_step.py [--quick] [--out FILE]
 
 Forward, backward and Adam update of a 12-block transformer (float32 master
 weights, float16 compute), jitted with parameters and optimizer state donated,
@@ -216,6 +216,7 @@ def parse_args() -> argparse.Namespace:
   parser.add_argument("--quick", action="store_true", help="a smoke run")
   parser.add_argument("--rounds", type=int, default=None)
   parser.add_argument("--steps", type=int, default=None)
+  parser.add_argument("--out", default=str(OUT), help="the markdown file")
   args = parser.parse_args()
   args.rounds = args.rounds or (2 if args.quick else 5)
   args.steps = args.steps or (3 if args.quick else 10)
@@ -253,8 +254,8 @@ def main() -> None:
   retry = time_retry(runs[RETRY_CONFIG], batch, over, args)
   print_runs(runs)
   print(f"retry step vs normal step: {retry:.2f}x")
-  OUT.write_text(markdown(runs, retry))
-  print(f"wrote {OUT}")
+  pathlib.Path(args.out).write_text(markdown(runs, retry))
+  print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -942,6 +942,7 @@ def main(argv: list[str] | None = None) -> None:
   fail_cfg = dataclasses.replace(
     cfg, accumulation=FAILURE_ACCUMULATION, steps=cfg.steps // 4
   )
+  _timing()  # loaded now, it reads the header's load average before the runs
   start, cpu = time.perf_counter(), time.process_time()
   result = run_all(cfg, fail_cfg)
   seconds = (time.perf_counter() - start, time.process_time() - cpu)

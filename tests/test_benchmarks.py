@@ -13,6 +13,7 @@ import math
 import os
 import pathlib
 import re
+import shlex
 import subprocess
 import sys
 
@@ -299,6 +300,48 @@ def test_every_results_file_names_its_command_machine_and_date():
       continue
     problems += [f"{name}: {p}" for p in _header_problems(text, writer)]
   assert not problems, "\n".join(problems)
+
+
+@pytest.fixture
+def regenerate(monkeypatch):
+  monkeypatch.syspath_prepend(str(BENCHMARKS))
+  import regenerate
+
+  return regenerate
+
+
+def test_regenerate_reruns_the_command_each_committed_file_names(regenerate):
+  # A results file rewritten by another command than regenerate.py's (a
+  # script run by hand with other options) fails here: update its `Run`.
+  runs = {run.file: run for run in regenerate.RUNS}
+  files = {
+    name if "/" in name else f"benchmarks/{name}": text
+    for name, text in _results_files().items()
+    if not pathlib.PurePosixPath(name).match("ACCELERATOR_*.md")
+  }
+  assert sorted(runs) == sorted(files)
+  for name, text in files.items():
+    command = re.search(r"^- command: `([^`]+)`$", text, re.M)
+    assert command, name
+    assert command.group(1) == regenerate.shell(runs[name].command), name
+  # What it lists after a full run: none now (test_docs_code.py's rule).
+  assert regenerate.stale_ratios() == {}
+
+
+def test_regenerate_quick_runs_write_only_into_their_folder(regenerate, capsys):
+  assert regenerate.main(["--quick", "--dry-run"]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  assert len(lines) == len(regenerate.RUNS)
+  for line, run in zip(lines, regenerate.RUNS, strict=True):
+    args = shlex.split(line)
+    assert args[:2] == ["python", run.quick[0]], line
+    assert "--quick" in args or "--compiles" in args, line
+    outs = [b for a, b in zip(args, args[1:], strict=False) if a == "--out"]
+    assert all(out.startswith("TMP") for out in outs), line
+  assert regenerate.main(["--dry-run", "--only", "COMPILE.md"]) == 0
+  out = capsys.readouterr().out
+  assert out.startswith("python benchmarks/first_compile.py --compiles 3")
+  assert len(out.splitlines()) == 2  # the command, then the estimate
 
 
 @pytest.fixture
