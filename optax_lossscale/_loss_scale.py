@@ -431,7 +431,9 @@ class DynamicLossScale(LossScale):
     self._require("multiplier", self.multiplier > 1, "greater than 1")
     self._require("min_loss_scale", floor > 0, "greater than 0")
     self._require(
-      "initial_loss_scale", initial >= floor, "at least min_loss_scale"
+      "initial_loss_scale",
+      initial >= floor,
+      f"at least min_loss_scale ({floor:g})",
     )
     self._require(
       "max_loss_scale", top >= initial, "at least initial_loss_scale"

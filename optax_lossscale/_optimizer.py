@@ -98,6 +98,8 @@ def _float16(tree: Any) -> bool:
 def check_loss_scale(call: str, loss_scale: Any) -> None:
   if not isinstance(loss_scale, LossScale):
     got = _validation.describe(loss_scale)
+    if isinstance(loss_scale, type):  # the class: `DynamicLossScale`
+      got += f"; call it: `{loss_scale.__name__}()`"
     raise TypeError(f"`{call}(loss_scale=...)` must be a LossScale, got {got}.")
 
 
@@ -149,13 +151,13 @@ def _mismatch(call: str, paths: list[Any], slots: int) -> str:
     jax.tree_util.keystr(path[:1]) for path, _ in paths
   )
   fits = [k for k, n in counts.items() if n == slots]
-  others = [k for k in counts if fits and k != fits[0]]
+  others = ", ".join(k for k in counts if fits and k != fits[0])
+  hint = f"; pass {fits[0]} alone and keep {others} apart" if others else ""
   return (
     f"`{call}`: the parameters have {len(paths)} leaves"
     f" ({', '.join(f'{k}: {n}' for k, n in counts.items())}), `init` had"
-    f" {slots}"
-    + (f"; were {', '.join(others)} not given to `init`?" if others else "")
-    + " (flax's `TrainState.create` inits it on `params['params']` only)."
+    f" {slots}{hint} (flax's `TrainState` trains `variables['params']` and"
+    " carries the other collections)."
   )
 
 
@@ -872,6 +874,12 @@ class LossScaleOptimizer:
     self, call: str, grads: Any, state: Any, params: Any
   ) -> None:
     """Raises, at trace time, naming what is wrong with a step's inputs."""
+    if isinstance(params, LossScaleOptimizerState):
+      order = "fun, params, state" if "minimize" in call else "grads, state"
+      raise TypeError(
+        f"`{call}`: `params` is the optimizer state; the arguments are"
+        f" ({order}, ...)."
+      )
     _validation.state(call, state, LossScaleOptimizerState)
     check_dtypes(call, state, self._dtypes)
     check_structure(call, grads, params)

@@ -124,7 +124,7 @@ BAD_HYPERPARAMETERS = [
   (
     dict(initial_loss_scale=0.5),
     ValueError,
-    "must be at least min_loss_scale, got 0.5.",
+    "must be at least min_loss_scale (1), got 0.5.",
   ),
   (dict(initial_loss_scale=None), TypeError, "got NoneType None."),
   (dict(initial_loss_scale=[2.0]), TypeError, "got list [2.0]."),

@@ -1150,7 +1150,7 @@ def test_parameters_other_than_init_s_are_named():
     with pytest.raises(
       ValueError,
       match=r"2 leaves \(\['params'\]: 1, \['stats'\]: 1\), `init`"
-      r" had 1; were \['stats'\] not given to `init`\? .*TrainState",
+      r" had 1; pass \['params'\] alone and keep \['stats'\] apart .*TrainState",
     ):
       call()
 
@@ -1169,19 +1169,26 @@ def test_a_mismatch_names_the_subtree_init_did_not_have():
     jax.jit(tx.apply_gradients)(variables, state, variables)
   assert str(error.value) == (
     "`LossScaleOptimizer.apply_gradients`: the parameters have 8 leaves"
-    " (['batch_stats']: 2, ['params']: 6), `init` had 6; were"
-    " ['batch_stats'] not given to `init`? (flax's `TrainState.create` inits"
-    " it on `params['params']` only)."
+    " (['batch_stats']: 2, ['params']: 6), `init` had 6; pass ['params']"
+    " alone and keep ['batch_stats'] apart (flax's `TrainState` trains"
+    " `variables['params']` and carries the other collections)."
   )
 
 
-def test_minimize_with_its_arguments_swapped_says_which_comes_first():
+def test_swapped_arguments_are_named():
   params = {"w": jnp.ones(2)}
   state = TX.init(params)
   with pytest.raises(
     TypeError, match=r"the first argument must be the loss function, got dict"
   ):
     TX.minimize(params, lambda p: jnp.sum(p["w"]), state)
+  with pytest.raises(TypeError, match=r"arguments are \(fun, params, state,"):
+    TX.minimize(lambda p: jnp.sum(p["w"]), state, params)
+  for entry in ["update", "apply_gradients"]:
+    with pytest.raises(TypeError, match=r"arguments are \(grads, state, "):
+      getattr(TX, entry)(params, params, state)
+  with pytest.raises(TypeError, match=r"call it: `DynamicLossScale\(\)`"):
+    ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale)
 
 
 def test_a_leaf_named_value_outside_nnx_keeps_its_name_and_its_checks():
