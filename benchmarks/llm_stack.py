@@ -173,7 +173,7 @@ def main() -> None:
       )
       print(lines[-1], flush=True)
   leaves = 40 if args.quick else 400
-  compiles = 3 if args.quick else 5
+  compiles = 1 if args.quick else 5
   seconds = compile_rows(step_overhead.make_tree(leaves, 1000), compiles)
   base = seconds["plain adam"]
   compile_lines = [

@@ -8,6 +8,7 @@ nothing.
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 import math
 import os
@@ -16,6 +17,7 @@ import re
 import shlex
 import subprocess
 import sys
+from typing import Any
 
 import jax
 import numpy as np
@@ -64,18 +66,67 @@ COND_OR_SELECT = (
 )
 
 
-def _run(*command: str) -> None:
-  env = {**os.environ, "PYTHON": sys.executable, "JAX_PLATFORMS": "cpu"}
-  done = subprocess.run(
-    command,
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=600,
-    check=False,
-  )
+# The slow tests' script runs, by test: a function of the run's folder that
+# gives the command (None: not run), its environment's additions and its
+# timeout. `script_runs` starts them.
+SCRIPT_RUNS: dict[str, tuple[Any, dict[str, str], int]] = {}
+CPU_ONLY = {"PYTHON": sys.executable, "JAX_PLATFORMS": "cpu"}
+
+
+def _script_run(command: Any, env: dict[str, str] = CPU_ONLY, timeout=600):
+  """Registers the decorated test's script run (see `SCRIPT_RUNS`)."""
+
+  def register(test: Any) -> Any:
+    SCRIPT_RUNS[test.__name__] = (command, env, timeout)
+    return test
+
+  return register
+
+
+@pytest.fixture(scope="module")
+def script_runs(request, tmp_path_factory):
+  """The script runs of the slow tests this session runs, started together.
+
+  As many run at once as there are CPUs (at least two): a script spends most
+  of its time importing and compiling, on about one core. Yields `{test:
+  (future of its CompletedProcess, its folder)}`.
+  """
+  selected = [
+    item.originalname
+    for item in request.session.items
+    if getattr(item, "module", None) is request.module
+    and item.originalname in SCRIPT_RUNS
+  ]
+  workers = max(2, os.cpu_count() or 1)
+  runs = {}
+  with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+    for name in selected:
+      command_of, env, timeout = SCRIPT_RUNS[name]
+      out = tmp_path_factory.mktemp("script")
+      command = command_of(out)
+      if command is None:
+        continue
+      run = pool.submit(
+        subprocess.run,
+        command,
+        cwd=ROOT,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+      )
+      runs[name] = (run, out)
+    yield runs
+    pool.shutdown(cancel_futures=True)
+
+
+def _ran(script_runs, request) -> pathlib.Path:
+  """The folder of this test's script run, which must have succeeded."""
+  run, out = script_runs[request.node.originalname]
+  done = run.result()
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  return out
 
 
 def _table(text: str, header_start: str) -> tuple[list[str], list[list[str]]]:
@@ -166,12 +217,18 @@ def _writer(name: str) -> tuple[str, ...] | None:
 
 
 @pytest.mark.slow
-def test_accelerator_script_quick_mode_writes_one_table(tmp_path):
-  out = tmp_path / "accelerator.md"
+@_script_run(
   # The sweep has a quick mode of its own; here it would only add minutes.
-  script = str(BENCHMARKS / "accelerator.sh")
-  _run("bash", script, str(out), "--quick", "--no-sweep")
-  text = out.read_text()
+  lambda out: [
+    "bash",
+    str(BENCHMARKS / "accelerator.sh"),
+    str(out / "accelerator.md"),
+    "--quick",
+    "--no-sweep",
+  ]
+)
+def test_accelerator_script_quick_mode_writes_one_table(script_runs, request):
+  text = (_ran(script_runs, request) / "accelerator.md").read_text()
   _environment(text, "benchmarks/accelerator.sh", "--quick", "--no-sweep")
   assert "- backend: cpu" in text
   sweep = text.split("## Finiteness-check sweep")[1].split("## Steps")[0]
@@ -216,16 +273,17 @@ def test_accelerator_script_quick_mode_writes_one_table(tmp_path):
 
 
 @pytest.mark.slow
-def test_llm_stack_quick_mode_writes_every_row(tmp_path):
-  out = tmp_path / "llm_stack.md"
-  _run(
+@_script_run(
+  lambda out: [
     sys.executable,
     str(BENCHMARKS / "llm_stack.py"),
     "--quick",
     "--out",
-    str(out),
-  )
-  text = out.read_text()
+    str(out / "llm_stack.md"),
+  ]
+)
+def test_llm_stack_quick_mode_writes_every_row(script_runs, request):
+  text = (_ran(script_runs, request) / "llm_stack.md").read_text()
   _environment(text, "benchmarks/llm_stack.py", "--quick")
   for row in (
     "clip + norm logged",
@@ -237,16 +295,17 @@ def test_llm_stack_quick_mode_writes_every_row(tmp_path):
 
 
 @pytest.mark.slow
-def test_model_step_quick_mode_checks_the_bounds(tmp_path):
-  out = tmp_path / "model_step.md"
-  _run(
+@_script_run(
+  lambda out: [
     sys.executable,
     str(BENCHMARKS / "model_step.py"),
     "--quick",
     "--out",
-    str(out),
-  )
-  text = out.read_text()
+    str(out / "model_step.md"),
+  ]
+)
+def test_model_step_quick_mode_checks_the_bounds(script_runs, request):
+  text = (_ran(script_runs, request) / "model_step.md").read_text()
   _environment(text, "python benchmarks/model_step.py --quick")
   assert "149 leaves" not in text  # the quick model is smaller
   header, rows = _table(text, "| configuration |")
@@ -444,23 +503,44 @@ def test_first_compile_reads_xla_pass_times_counting_nothing_twice(
   assert not first_compile.pass_times("no pass lines at all")
 
 
-@pytest.mark.slow
-def test_step_overhead_baseline_quick_run_writes_the_ratios(tmp_path):
-  # The issue-37 bar's table: the fused step and update now against a
-  # commit's. A clone without the commit (a shallow one) skips.
-  rev = "18f90f4"
+# The issue-37 bar's commit, which the baseline run compares with.
+BASELINE_REV = "18f90f4"
+
+
+def _in_this_clone(rev: str) -> bool:
   known = subprocess.run(
     ["git", "-C", str(ROOT), "cat-file", "-e", f"{rev}^{{commit}}"],
     capture_output=True,
     check=False,
   )
-  if known.returncode != 0:
-    pytest.skip(f"commit {rev} is not in this clone")
-  script = str(BENCHMARKS / "step_overhead.py")
-  _run(
-    sys.executable, script, "--baseline", rev, "--quick", "--out", str(tmp_path)
+  return known.returncode == 0
+
+
+@pytest.mark.slow
+@_script_run(
+  lambda out: (
+    [
+      sys.executable,
+      str(BENCHMARKS / "step_overhead.py"),
+      "--baseline",
+      BASELINE_REV,
+      "--quick",
+      "--out",
+      str(out),
+    ]
+    if _in_this_clone(BASELINE_REV)
+    else None
   )
-  text = (tmp_path / "BASELINE_STEP.md").read_text()
+)
+def test_step_overhead_baseline_quick_run_writes_the_ratios(
+  script_runs, request
+):
+  # The issue-37 bar's table: the fused step and update now against a
+  # commit's. A clone without the commit (a shallow one) skips.
+  rev = BASELINE_REV
+  if request.node.originalname not in script_runs:
+    pytest.skip(f"commit {rev} is not in this clone")
+  text = (_ran(script_runs, request) / "BASELINE_STEP.md").read_text()
   _environment(text, "benchmarks/step_overhead.py", "--baseline", rev)
   header, rows = _table(text, "| workload |")
   assert header == ["workload", "step", "vs plain adam", f"now / {rev}"]
@@ -482,26 +562,23 @@ def test_step_overhead_baseline_quick_run_writes_the_ratios(tmp_path):
 
 
 @pytest.mark.slow
-def test_first_compile_quick_run_writes_both_tables(tmp_path):
+@_script_run(
+  lambda out: [
+    sys.executable,
+    str(BENCHMARKS / "first_compile.py"),
+    "--compiles=1",
+    "--leaves=8",
+    "--baseline=",
+    f"--out={out}",
+  ],
+  env={"PYTHONPATH": str(ROOT)},
+  timeout=300,
+)
+def test_first_compile_quick_run_writes_both_tables(script_runs, request):
   # The real script on 8 leaves, one compile each, the passes read from
   # XLA's own log in child processes: a change of the log's format fails
   # here, not silently in the committed table.
-  run = subprocess.run(
-    [
-      sys.executable,
-      str(BENCHMARKS / "first_compile.py"),
-      "--compiles=1",
-      "--leaves=8",
-      "--baseline=",
-      f"--out={tmp_path}",
-    ],
-    env=dict(os.environ, PYTHONPATH=str(ROOT)),
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-  assert run.returncode == 0, run.stderr[-2000:]
-  text = (tmp_path / "COMPILE.md").read_text()
+  text = (_ran(script_runs, request) / "COMPILE.md").read_text()
   assert not _header_problems(text, ("benchmarks/first_compile.py",))
   header, rows = _table(text, "| workload |")
   assert header[2:] == [

@@ -85,8 +85,9 @@ def test_float16_with_scaling_matches_float32_and_the_mistake_is_stopped(
   assert caught["stopped_at"] == cfg.stop_after
   assert caught["skipped"] == cfg.mistake_steps
   assert np.all(np.diff(caught["scales"]) < 0)  # halved at every step
-  message = str(caught["error"])
+  message, named = str(caught["error"]), caught["error"].report.nonfinite
   for leaf in ("['blocks'][0]['ln1']['scale']", "['embed']", "['pos']"):
-    assert leaf in message
-  assert "['head']" not in message  # after the last LayerNorm: finite
+    assert leaf in named
+  assert "['head']" not in named  # after the last LayerNorm: finite
+  assert f"{len(named)} leaves: {named[0]}, " in message  # the first named
   assert "float32" in message  # the likely fix
