@@ -897,6 +897,8 @@ class LossScaleOptimizer:
   ) -> tuple[LossScale, jax.Array]:
     """`decide` for the attempt applied; the scale moves as the first
     attempt's verdict says: a recomputed batch is one overflowed step."""
+    if isinstance(retries, int):  # no retry loop: one verdict, one decision
+      return decide(tried, checks, self.skip_nonfinite)
     _, should_apply = decide(tried, checks, self.skip_nonfinite)
     first = checks._replace(grads_finite=checks.grads_finite & (retries == 0))
     return decide(state.loss_scale, first, self.skip_nonfinite)[0], should_apply
