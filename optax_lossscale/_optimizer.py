@@ -6,7 +6,7 @@ import collections
 import dataclasses
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +33,17 @@ _Branch = Callable[[Any, Any, Any], tuple[Any, Any, Any]]
 # flax's `fp8_ops.OVERWRITE_WITH_GRADIENT`: FP8 scales and amax histories,
 # whose "gradients" are their new values.
 _OVERWRITE = "_overwrite_with_gradient"
+
+
+class _Step(NamedTuple):
+  """A step's inputs, and the attempt it applies."""
+
+  state: LossScaleOptimizerState
+  params: Any
+  extra_args: dict[str, Any]
+  fused: bool
+  mask: Any
+  attempt: _retry.Attempt
 
 
 def _in_overwrite_collection(path: tuple[Any, ...]) -> bool:
@@ -182,34 +193,6 @@ def _count(counter: jax.Array, flag: jax.Array | bool) -> jax.Array:
   return jnp.where(flag, optax.safe_increment(counter), counter)
 
 
-def _skip_record(
-  state: LossScaleOptimizerState,
-  tried: LossScale,
-  next_loss_scale: LossScale,
-  checks: Checks,
-) -> SkipRecord:
-  """The record of a skipped step (a few scalars and a flag per leaf).
-
-  Its scale is the step's; `tried` is its last attempt's, which says
-  whether the scale reached its floor.
-  """
-  lowered, loss_finite = tried.lowered(), checks.loss_finite
-  slots = state.last_skip.nonfinite.shape[-1]  # none after `init(None)`
-  return dataclasses.replace(
-    state.last_skip,
-    step=state.steps,
-    loss_scale=state.loss_scale(),
-    next_loss_scale=next_loss_scale(),
-    consecutive_skipped_steps=optax.safe_increment(
-      state.consecutive_skipped_steps
-    ),
-    loss_given=jnp.array(loss_finite is not None),
-    loss_finite=jnp.array(True) if loss_finite is None else loss_finite,
-    at_floor=jnp.array(True) if lowered is None else lowered() >= tried(),
-    nonfinite=~checks.flags[:slots],
-  )
-
-
 def _write_record(
   state: LossScaleOptimizerState, params: Any, axis_name: Any
 ) -> WriteRecord:
@@ -234,25 +217,39 @@ def _next_state(
   state: LossScaleOptimizerState,
   loss_scale: LossScale,
   should_apply: jax.Array,
-  checks: Checks,
   attempt: _retry.Attempt,
 ) -> LossScaleOptimizerState:
   """The counters and the skip record after a step (of `attempt`, unless a
-  retry follows it); the inner state and the write record come apart."""
-  skipped, retries = ~should_apply, attempt.retries
-  loss_failed = False if checks.loss_finite is None else ~checks.loss_finite
-  record = _skip_record(state, attempt.loss_scale, loss_scale, checks)
+  retry follows it); the inner state and the write record come apart.
+
+  The record's scale is the step's; the attempt's says whether the scale
+  reached its floor.
+  """
+  skipped, checks, tried = ~should_apply, attempt.checks, attempt.loss_scale
+  loss_finite, lowered = checks.loss_finite, tried.lowered()
+  consecutive = optax.safe_increment(state.consecutive_skipped_steps)
+  slots = state.last_skip.nonfinite.shape[-1]  # none after `init(None)`
+  record = dataclasses.replace(
+    state.last_skip,
+    step=state.steps,
+    loss_scale=state.loss_scale(),
+    next_loss_scale=loss_scale(),
+    consecutive_skipped_steps=consecutive,
+    loss_given=jnp.array(loss_finite is not None),
+    loss_finite=jnp.array(True) if loss_finite is None else loss_finite,
+    at_floor=jnp.array(True) if lowered is None else lowered() >= tried(),
+    nonfinite=~checks.flags[:slots],
+  )
+  loss_failed = False if loss_finite is None else ~loss_finite
   dropped = skipped & jnp.logical_not(attempt.held)
   return state._replace(
     last_skip=tree_where(dropped, record, state.last_skip),
     loss_scale=loss_scale,
     should_apply=should_apply,
     skipped_steps=_count(state.skipped_steps, skipped),
-    consecutive_skipped_steps=jnp.where(
-      skipped, optax.safe_increment(state.consecutive_skipped_steps), 0
-    ).astype(jnp.int32),
+    consecutive_skipped_steps=jnp.where(skipped, consecutive, 0),
     nonfinite_loss_steps=_count(state.nonfinite_loss_steps, loss_failed),
-    retries=state.retries + retries,
+    retries=state.retries + attempt.retries,
     steps=optax.safe_increment(state.steps),
   )
 
@@ -677,36 +674,44 @@ class LossScaleOptimizer:
       value = extra_args.get("value")
       checks = check(call, state.loss_scale, grads, value, self.axis_name, mask)
       attempt = _retry.Attempt(value, grads, state.loss_scale, checks, 0, False)
-    tried, checks, held = attempt.loss_scale, attempt.checks, attempt.held
-    loss_scale, should_apply = self._decide(
-      state, tried, checks, attempt.retries
-    )
-    index, closes, counters = self._schedule(state, should_apply, held)
-    branches = self._branches(
-      mask, tried, grads, params, state, checks, should_apply, held,
-      extra_args, fused,
-    )  # fmt: skip
+    step = _Step(state, params, extra_args, fused, mask, attempt)
+    loss_scale, should_apply = self._decide(state, attempt)
+    index, closes, counters = self._schedule(state, should_apply, attempt.held)
     # The skip stays branch 0: XLA's conditional passes donated buffers
     # through it uncopied (jax#39449; other orders copy each:
     # tests/test_accelerator_ready.py).
-    operands = (params, state.inner_state, state.last_nonfinite_write)
     out, inner, wrote, norm = _cond.switch(
-      index, branches, *operands, sharded_like=grads
+      index,
+      self._branches(step, should_apply),
+      *(params, state.inner_state, state.last_nonfinite_write),
+      sharded_like=grads,
     )
     # A kept micro-batch that leaves its window open holds the scale (unless
     # it was recomputed: that is an overflow).
     hold = should_apply & ~closes & (attempt.retries == 0)
     loss_scale = tree_where(hold, state.loss_scale, loss_scale)
-    new = _next_state(state, loss_scale, should_apply, checks, attempt)
+    new = _next_state(state, loss_scale, should_apply, attempt)
     if counters is not None:
       inner = inner._replace(mini_step=counters[0], gradient_step=counters[1])
       new = new._replace(accumulated=counters[2])
     new = new._replace(
       inner_state=inner, last_nonfinite_write=wrote, grad_norm=norm
     )
-    if held is not False:  # a held attempt keeps the scale and counters
-      new = tree_where(held, state._replace(inner_state=inner), new)
+    if attempt.held is not False:  # a held attempt keeps scale and counters
+      new = tree_where(attempt.held, state._replace(inner_state=inner), new)
     return out, new
+
+  def _decide(
+    self, state: LossScaleOptimizerState, attempt: _retry.Attempt
+  ) -> tuple[LossScale, jax.Array]:
+    """`decide` for the attempt applied; the scale moves as the first
+    attempt's verdict says: a recomputed batch is one overflowed step."""
+    checks, retries = attempt.checks, attempt.retries
+    new, should_apply = decide(attempt.loss_scale, checks, self.skip_nonfinite)
+    if isinstance(retries, int):  # no retry loop: one verdict, one decision
+      return new, should_apply
+    first = checks._replace(grads_finite=checks.grads_finite & (retries == 0))
+    return decide(state.loss_scale, first, self.skip_nonfinite)[0], should_apply
 
   def _schedule(
     self, state: LossScaleOptimizerState, should_apply: Any, held: Any
@@ -720,8 +725,7 @@ class LossScaleOptimizer:
     if self._every_k is None:
       return applies, jnp.array(True), None
     window, held = state.inner_state, jnp.asarray(held)
-    k = self._every_k(window.gradient_step)
-    closes = window.mini_step + 1 >= k
+    closes = window.mini_step + 1 >= self._every_k(window.gradient_step)
     kept = state.accumulated + applies
     # A held attempt skips: the retry that follows it may close the window.
     index = jnp.where(closes & (kept > 0) & ~held, 2, applies)
@@ -736,56 +740,41 @@ class LossScaleOptimizer:
       ),
     )
 
-  def _branches(
-    self,
-    mask: Any,
-    loss_scale: LossScale,
-    grads: Any,
-    params: Any,
-    state: LossScaleOptimizerState,
-    checks: Checks,
-    kept: jax.Array,
-    held: jax.Array | bool,
-    extra_args: dict[str, Any],
-    fused: bool,
-  ) -> list[_Branch]:
+  def _branches(self, step: _Step, kept: jax.Array) -> list[_Branch]:
     """The branches: skip, (accumulate,) step. Each returns the output, the
     inner state, the write record and the norm (at a window's step, the
     window's)."""
-    window = self._every_k is not None
-    trained = lambda p: None if p is None else masked(mask, p)  # noqa: E731
+    window, state = self._every_k is not None, step.state
+    checks = step.attempt.checks
     opt = lambda inner: inner.inner_opt_state if window else inner  # noqa: E731
     # What `inner` is given: under accumulation, the window's gradient in
     # the accumulator's dtype, as `optax.MultiSteps` gives it.
-    given = state.inner_state.acc_grads if window else masked(mask, grads)
-    output, update = self._output(
-      mask, grads, given, params, opt(state.inner_state), extra_args, fused
-    )
+    grads = masked(step.mask, step.attempt.grads)
+    given = state.inner_state.acc_grads if window else grads
+    output, update = self._output(step, given, opt(state.inner_state))
 
     def skip(params: Any, inner: Any, wrote: Any) -> Any:
       new = _write_record(state, params, self.axis_name)
-      new = tree_where(held, wrote, new)
+      new = tree_where(step.attempt.held, wrote, new)
       return output(params, None, False), inner, new, checks.norm
 
-    gradient = lambda: self._gradient(mask, loss_scale, grads, state, kept)  # noqa: E731
-
     def accumulate(params: Any, inner: Any, wrote: Any) -> Any:
-      new = inner._replace(acc_grads=gradient())
+      new = inner._replace(acc_grads=self._gradient(step, kept))
       return output(params, None, kept), new, wrote, checks.norm
 
-    def step(params: Any, inner: Any, wrote: Any) -> Any:
-      g, norm = gradient(), checks.norm
+    def apply(params: Any, inner: Any, wrote: Any) -> Any:
+      g, norm = self._gradient(step, kept), checks.norm
       if window:  # the window's norm
         squares = _numerics.sum_of_squares(jax.tree.leaves(g), self.axis_name)
         norm = jnp.sqrt(squares)
       g = self._clip(g, norm, checks.grads_finite)
-      updates, new = update(g, opt(inner), trained(params))
+      updates, new = update(g, opt(inner), masked(step.mask, params))
       if window:
         zeros = optax.tree.zeros_like(inner.acc_grads)
         new = inner._replace(inner_opt_state=new, acc_grads=zeros)
       return output(params, updates, kept), new, wrote, norm
 
-    return [skip, accumulate, step] if window else [skip, step]
+    return [skip, accumulate, apply] if window else [skip, apply]
 
   def _clip(self, g: Any, norm: jax.Array, finite: jax.Array) -> Any:
     """`g` clipped to `max_norm` by its global `norm`. Gradients that are not
@@ -797,38 +786,25 @@ class LossScaleOptimizer:
     clip = jnp.where(keep, 1.0, self.max_norm / norm)
     return map_floats(lambda x, dtype: x * clip.astype(dtype), g)
 
-  def _gradient(
-    self,
-    mask: Any,
-    loss_scale: LossScale,
-    grads: Any,
-    state: LossScaleOptimizerState,
-    kept: jax.Array,
-  ) -> Any:
+  def _gradient(self, step: _Step, kept: jax.Array) -> Any:
     """The unscaled gradients; under accumulation, the window's mean (or
     sum), with this micro-batch if it is kept: `optax.MultiSteps`' running
     mean, in the accumulator's dtype."""
-    unscaled = masked(mask, loss_scale.unscale(grads))
+    grads, loss_scale = step.attempt.grads, step.attempt.loss_scale
+    unscaled = masked(step.mask, loss_scale.unscale(grads))
     if self._every_k is None:
       return unscaled
-    n = (state.accumulated + 1).astype
+    n = (step.state.accumulated + 1).astype
 
     def add(u: jax.Array, acc: jax.Array) -> jax.Array:
       u = u.astype(acc.dtype)
       new = acc + (u - acc) / n(acc.dtype) if self._mean else acc + u
       return jnp.where(kept, new, acc)
 
-    return jax.tree.map(add, unscaled, state.inner_state.acc_grads)
+    return jax.tree.map(add, unscaled, step.state.inner_state.acc_grads)
 
   def _output(
-    self,
-    mask: Any,
-    grads: Any,
-    given: Any,
-    params: Any,
-    opt_state: Any,
-    extra_args: dict[str, Any],
-    fused: bool,
+    self, step: _Step, given: Any, opt_state: Any
   ) -> tuple[Callable[[Any, Any, Any], Any], Callable[..., Any]]:
     """A branch's output from `inner`'s updates (None: no update), and
     `inner.update`.
@@ -838,12 +814,12 @@ class LossScaleOptimizer:
     once, here, on `given` (what it is given), and replayed in the step.
     Each overwritten leaf is assigned its gradient where `assign` holds.
     """
-    trained = None if params is None else masked(mask, params)
+    mask, fused = step.mask, step.fused
 
     def update(g: Any, opt_state: Any, params: Any) -> Any:
-      return self.inner.update(g, opt_state, params, **extra_args)
+      return self.inner.update(g, opt_state, params, **step.extra_args)
 
-    operands = (given, opt_state, trained)
+    operands = (given, opt_state, masked(mask, step.params))
     eager = jax.config.jax_disable_jit  # type: ignore[attr-defined]
     if not fused and eager:  # `inner` as it is: its traceback whole
       like = jax.eval_shape(update, *operands)[0]
@@ -852,12 +828,12 @@ class LossScaleOptimizer:
       update = lambda *operands: replay(consts, operands)  # noqa: E731
 
     def output(params: Any, updates: Any, assign: Any) -> Any:
-      if fused and updates is not None:
-        base = optax.apply_updates(masked(mask, params), updates)
-      elif fused:
-        base = params
-      else:
+      if not fused:
         base = optax.tree.zeros_like(like) if updates is None else updates
+      elif updates is not None:
+        base = optax.apply_updates(masked(mask, params), updates)
+      else:
+        base = params
 
       def pick(m: bool, b: Any, g: Any, p: Any) -> Any:
         new = g.astype(p.dtype) if fused else g.astype(p.dtype) - p
@@ -866,7 +842,7 @@ class LossScaleOptimizer:
 
       if not any(jax.tree.leaves(mask)):
         return base
-      return jax.tree.map(pick, mask, base, grads, params)
+      return jax.tree.map(pick, mask, base, step.attempt.grads, params)
 
     return output, update
 
@@ -887,18 +863,3 @@ class LossScaleOptimizer:
     paths = jax.tree_util.tree_leaves_with_path(like_grads(params))
     if params is not None and slots and len(paths) != slots:
       raise ValueError(_mismatch(call, paths, slots))
-
-  def _decide(
-    self,
-    state: LossScaleOptimizerState,
-    tried: LossScale,
-    checks: Checks,
-    retries: jax.Array | int,
-  ) -> tuple[LossScale, jax.Array]:
-    """`decide` for the attempt applied; the scale moves as the first
-    attempt's verdict says: a recomputed batch is one overflowed step."""
-    if isinstance(retries, int):  # no retry loop: one verdict, one decision
-      return decide(tried, checks, self.skip_nonfinite)
-    _, should_apply = decide(tried, checks, self.skip_nonfinite)
-    first = checks._replace(grads_finite=checks.grads_finite & (retries == 0))
-    return decide(state.loss_scale, first, self.skip_nonfinite)[0], should_apply
