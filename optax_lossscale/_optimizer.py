@@ -135,25 +135,22 @@ def check_structure(call: str, grads: Any, params: Any) -> None:
       f" (at {odd})."
     )
   for (path, g), (_, p) in zip(*pairs, strict=True):
-    name = jax.tree_util.keystr(path) or "<root>"
-    if g is None and p is not None:
-      raise ValueError(
-        f"`{call}`: the gradient at {name} is None, its parameter not."
-      )
-    if g is None:  # both None: Equinox's gradients of what is not a parameter
+    if g is None and p is None:  # Equinox's gradients of non-parameters
       continue
-    if jnp.shape(g) != jnp.shape(p):
-      raise ValueError(
-        f"`{call}`: the gradient at {name} has shape {jnp.shape(g)}, its"
-        f" parameter {jnp.shape(p)}."
+    if g is None:
+      problem = "is None, its parameter not"
+    elif jnp.shape(g) != jnp.shape(p):
+      problem = f"has shape {jnp.shape(g)}, its parameter {jnp.shape(p)}"
+    elif _numerics.varying_axes(g) - _numerics.varying_axes(p):
+      problem = (
+        "varies across devices but its parameter does not, so an applied"
+        " and a skipped step would differ in type. Average the gradients"
+        " first: `grads = jax.lax.pmean(grads, axis_name)`"
       )
-    if _numerics.varying_axes(g) - _numerics.varying_axes(p):
-      raise ValueError(
-        f"`{call}`: inside `shard_map`, the gradient at {name} varies across"
-        " devices but its parameter does not, so an applied and a skipped"
-        " step would differ in type. Average the gradients first:"
-        " `grads = jax.lax.pmean(grads, axis_name)`."
-      )
+    else:
+      continue
+    name = jax.tree_util.keystr(path) or "<root>"
+    raise ValueError(f"`{call}`: the gradient at {name} {problem}.")
 
 
 def _mismatch(call: str, paths: list[Any], slots: int) -> str:
@@ -254,12 +251,17 @@ def _next_state(
   )
 
 
-def _accumulation(call: str, multi: optax.MultiSteps) -> tuple[Any, bool]:
-  """The windows an `optax.MultiSteps` asks for: their length and mean.
+def _accumulation(
+  call: str, multi: optax.MultiSteps | None
+) -> tuple[Any, bool]:
+  """The windows an `optax.MultiSteps` asks for: their length (None: no
+  accumulation) and mean.
 
   `MultiSteps` has no public accessor for them (Optax 0.2.8): they are read
   from its attributes, once (tests/test_accumulation.py would see a rename).
   """
+  if multi is None:
+    return None, True
   skip = multi._should_skip_update_fn
   if "MultiSteps.__init__" not in getattr(skip, "__qualname__", ""):
     raise ValueError(
@@ -380,13 +382,9 @@ class LossScaleOptimizer:
     overwrite_with_gradient: Any = None,
   ) -> None:
     call = "LossScaleOptimizer"
-    self._multi, (self._every_k, self._mean) = None, (None, True)
-    if isinstance(inner, optax.MultiSteps):
-      self._multi, (self._every_k, self._mean) = (
-        inner,
-        _accumulation(call, inner),
-      )
-      inner = inner.inner_opt
+    self._multi = inner if isinstance(inner, optax.MultiSteps) else None
+    self._every_k, self._mean = _accumulation(call, self._multi)
+    inner = inner if self._multi is None else self._multi.inner_opt
     if not isinstance(inner, optax.GradientTransformation):
       raise TypeError(
         f"`{call}(inner=...)` must be an Optax transformation, got"
