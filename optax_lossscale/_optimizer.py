@@ -27,9 +27,6 @@ from optax_lossscale._value_and_grad import scaled_value_and_grad
 
 __all__ = ["LossScaleOptimizer"]
 
-# A branch of the step's conditional: (params, inner state, write record) to
-# (output, inner state, write record).
-_Branch = Callable[[Any, Any, Any], tuple[Any, Any, Any]]
 # flax's `fp8_ops.OVERWRITE_WITH_GRADIENT`: FP8 scales and amax histories,
 # whose "gradients" are their new values.
 _OVERWRITE = "_overwrite_with_gradient"
@@ -483,9 +480,6 @@ class LossScaleOptimizer:
         of it was cast to another dtype (naming it), at trace time.
     """
     call = "LossScaleOptimizer.update"
-    self._check_inputs(call, grads, state, params)
-    if params is None and any(jax.tree.leaves(self._mask(call, grads))):
-      raise ValueError(f"`{call}(params=None)`: overwritten leaves need them.")
     return self._step(call, grads, state, params, extra_args, fused=False)
 
   def apply_gradients(
@@ -516,7 +510,6 @@ class LossScaleOptimizer:
       TypeError: as `update` does.
     """
     call = "LossScaleOptimizer.apply_gradients"
-    self._check_inputs(call, grads, state, params)
     return self._step(call, grads, state, params, extra_args, fused=True)
 
   def minimize(
@@ -666,7 +659,10 @@ class LossScaleOptimizer:
     follows (`held`) writes nothing; that is folded into the one conditional
     (a second would make XLA copy what the retry loop carries).
     """
+    self._check_inputs(call, grads, state, params)
     mask = self._mask(call, grads)
+    if params is None and any(jax.tree.leaves(mask)):
+      raise ValueError(f"`{call}(params=None)`: overwritten leaves need them.")
     if attempt is None:  # `held` a Python bool: a constant array closed over
       # by a branch fails `vmap` over Explicit-sharded members.
       value = extra_args.get("value")
@@ -738,7 +734,7 @@ class LossScaleOptimizer:
       ),
     )
 
-  def _branches(self, step: _Step, kept: jax.Array) -> list[_Branch]:
+  def _branches(self, step: _Step, kept: jax.Array) -> list[Callable[..., Any]]:
     """The branches: skip, (accumulate,) step. Each returns the output, the
     inner state, the write record and the norm (at a window's step, the
     window's)."""
