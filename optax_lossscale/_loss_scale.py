@@ -24,14 +24,14 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
-from collections.abc import Callable
 from typing import Any, Self
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_lossscale import _numerics, _validation
+from optax_lossscale import _numerics
+from optax_lossscale._validation import FLOAT32_MAX, boolean, integer, scalar
 
 __all__ = ["DynamicLossScale", "FixedLossScale", "LossScale", "NoOpLossScale"]
 
@@ -123,15 +123,11 @@ class LossScale(abc.ABC):
     where = f"`{cls.__name__}.from_config(config)`"
     if not isinstance(config, dict):
       raise TypeError(f"{where} takes a dict, got {type(config).__name__}.")
-    fields: tuple[dataclasses.Field[Any], ...] = ()
-    if dataclasses.is_dataclass(cls):
+    if dataclasses.is_dataclass(cls):  # a subclass need not be one
       fields = dataclasses.fields(cls)
-    known = {f.name for f in fields if f.metadata.get("static")}
-    if dataclasses.is_dataclass(cls) and set(config) - known:
-      raise ValueError(
-        f"{where} got unknown keys {sorted(set(config) - known)}; it takes"
-        f" {sorted(known)}."
-      )
+      known = sorted(f.name for f in fields if f.metadata.get("static"))
+      if extra := sorted(set(config) - set(known)):
+        raise ValueError(f"{where} got unknown keys {extra}; it takes {known}.")
     return cls(**config)
 
   def update(
@@ -207,8 +203,9 @@ class LossScale(abc.ABC):
     return None
 
 
-def _static(**kwargs: Any) -> Any:
-  return dataclasses.field(metadata=dict(static=True), **kwargs)
+def _static(check: Any = None, **kwargs: Any) -> Any:
+  """A hyperparameter: a static field, and how `__post_init__` checks it."""
+  return dataclasses.field(metadata=dict(static=True, check=check), **kwargs)
 
 
 class _Constant(LossScale):
@@ -249,9 +246,7 @@ class FixedLossScale(_Constant):
   loss_scale_value: float = _static()
 
   def __post_init__(self) -> None:
-    value = _validation.scalar(
-      "FixedLossScale", "loss_scale_value", self.loss_scale_value
-    )
+    value = scalar("FixedLossScale", "loss_scale_value", self.loss_scale_value)
     if value < 1:
       raise ValueError(
         "`FixedLossScale(loss_scale_value=...)` must be at least 1, got"
@@ -298,17 +293,7 @@ class _Initial:
 
 
 _INITIAL: Any = _Initial()
-_positive = functools.partial(_validation.integer, minimum=1)
-# The hyperparameters of a `DynamicLossScale`, with their checks.
-_HYPERPARAMETERS: dict[str, Callable[..., Any]] = {  # TensorFlow's first
-  "initial_loss_scale": _validation.scalar,
-  "increment_period": _positive,
-  "multiplier": _validation.scalar,
-  "min_loss_scale": _validation.scalar,
-  "max_loss_scale": _validation.scalar,
-  "hysteresis": _positive,
-  "consecutive_hysteresis": _validation.boolean,
-}
+_positive = functools.partial(integer, minimum=1)
 _TENSORFLOW_KEYS = ("initial_loss_scale", "increment_period", "multiplier")
 # The state fields of a `DynamicLossScale`, with their dtypes.
 STATE_DTYPES = {
@@ -397,13 +382,14 @@ class DynamicLossScale(LossScale):
     2.0 False
   """
 
-  initial_loss_scale: float = _static(default=2.0**15)
-  increment_period: int = _static(default=2000)
-  multiplier: float = _static(default=2.0)
-  min_loss_scale: float = _static(default=1.0, kw_only=True)
-  max_loss_scale: float | None = _static(default=None, kw_only=True)
-  hysteresis: int = _static(default=1, kw_only=True)
-  consecutive_hysteresis: bool = _static(default=False, kw_only=True)
+  # The hyperparameters, TensorFlow's first.
+  initial_loss_scale: float = _static(scalar, default=2.0**15)
+  increment_period: int = _static(_positive, default=2000)
+  multiplier: float = _static(scalar, default=2.0)
+  min_loss_scale: float = _static(scalar, default=1.0, kw_only=True)
+  max_loss_scale: float | None = _static(scalar, default=None, kw_only=True)
+  hysteresis: int = _static(_positive, default=1, kw_only=True)
+  consecutive_hysteresis: bool = _static(boolean, default=False, kw_only=True)
   current_loss_scale: jax.Array = dataclasses.field(
     default=_INITIAL, kw_only=True
   )
@@ -413,38 +399,28 @@ class DynamicLossScale(LossScale):
   def __post_init__(self) -> None:
     # Also on every unflattening, with any leaves (tracers, shardings, None):
     # only the Python hyperparameters are checked.
-    for name, check in _HYPERPARAMETERS.items():
+    for field in dataclasses.fields(self):
+      name, check = field.name, field.metadata.get("check")
       value = getattr(self, name)
-      if value is not None or name != "max_loss_scale":
-        value = check("DynamicLossScale", name, value)
-        object.__setattr__(self, name, value)
-    self._check_bounds()
-    initial = {"current_loss_scale": self.initial_loss_scale}
+      if check and (value is not None or name != "max_loss_scale"):
+        object.__setattr__(self, name, check("DynamicLossScale", name, value))
+    low, init = self.min_loss_scale, self.initial_loss_scale
+    top = np.inf if self.max_loss_scale is None else self.max_loss_scale
+    for name, ok, expected in (
+      ("multiplier", self.multiplier > 1, "greater than 1"),
+      ("min_loss_scale", low > 0, "greater than 0"),
+      ("initial_loss_scale", init >= low, f"at least min_loss_scale ({low:g})"),
+      ("max_loss_scale", top >= init, "at least initial_loss_scale"),
+    ):
+      if not ok:
+        raise ValueError(
+          f"`DynamicLossScale({name}=...)` must be {expected}, got"
+          f" {getattr(self, name)!r}."
+        )
     for name, dtype in STATE_DTYPES.items():
       if getattr(self, name) is _INITIAL:
-        value = jnp.asarray(initial.get(name, 0), dtype)
-        object.__setattr__(self, name, value)
-
-  def _check_bounds(self) -> None:
-    floor, initial = self.min_loss_scale, self.initial_loss_scale
-    top = np.inf if self.max_loss_scale is None else self.max_loss_scale
-    self._require("multiplier", self.multiplier > 1, "greater than 1")
-    self._require("min_loss_scale", floor > 0, "greater than 0")
-    self._require(
-      "initial_loss_scale",
-      initial >= floor,
-      f"at least min_loss_scale ({floor:g})",
-    )
-    self._require(
-      "max_loss_scale", top >= initial, "at least initial_loss_scale"
-    )
-
-  def _require(self, name: str, ok: bool, expected: str) -> None:
-    if not ok:
-      raise ValueError(
-        f"`DynamicLossScale({name}=...)` must be {expected}, got"
-        f" {getattr(self, name)!r}."
-      )
+        value = init if name == "current_loss_scale" else 0
+        object.__setattr__(self, name, jnp.asarray(value, dtype))
 
   def __call__(self) -> jax.Array:
     # A scale outside the bounds (restored into other ones) counts as the
@@ -465,25 +441,22 @@ class DynamicLossScale(LossScale):
     good = jnp.asarray(self.num_good_steps) + 1
     grow = good >= self.increment_period
     raised = scale * jnp.float32(self.multiplier)
-    can_raise = jnp.isfinite(raised)
-    if self.max_loss_scale is not None:
-      can_raise &= raised <= jnp.float32(self.max_loss_scale)
+    # None is float32's maximum, so `raised <= top` is False for inf and NaN.
+    top = jnp.float32(self.max_loss_scale or FLOAT32_MAX)
     bad = jnp.minimum(jnp.asarray(self.num_bad_steps), self.hysteresis - 1) + 1
-    lower = bad >= self.hysteresis
     reset_bad = grow | self.consecutive_hysteresis
-    new = dataclasses.replace(
+    return dataclasses.replace(
       self,
       current_loss_scale=jnp.where(
         finite,
-        jnp.where(grow & can_raise, raised, scale),
-        jnp.where(lower, self._backed_off(), scale),
+        jnp.where(grow & (raised <= top), raised, scale),
+        jnp.where(bad >= self.hysteresis, self._backed_off(), scale),
       ),
       num_good_steps=jnp.where(finite & ~grow, good, 0).astype(jnp.int32),
       num_bad_steps=jnp.where(
         finite, jnp.where(reset_bad, 0, self.num_bad_steps), bad
       ).astype(jnp.int32),
-    )
-    return new, finite
+    ), finite
 
   def lowered(self) -> Self:
     """The scale divided by `multiplier` (floored), the good steps reset."""
@@ -496,9 +469,9 @@ class DynamicLossScale(LossScale):
   def get_config(self) -> dict[str, Any]:
     # TensorFlow's three keys, then the others that are not their defaults:
     # with TensorFlow's bounds, the config is exactly TensorFlow's.
-    defaults = {f.name: f.default for f in dataclasses.fields(self)}
     return {
-      name: getattr(self, name)
-      for name in _HYPERPARAMETERS
-      if name in _TENSORFLOW_KEYS or getattr(self, name) != defaults[name]
+      f.name: getattr(self, f.name)
+      for f in dataclasses.fields(self)
+      if f.name in _TENSORFLOW_KEYS
+      or (f.metadata.get("static") and getattr(self, f.name) != f.default)
     }

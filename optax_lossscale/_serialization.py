@@ -23,10 +23,6 @@ _CLASSES: dict[str, type[LossScale]] = {
   cls.__name__: cls for cls in (FixedLossScale, DynamicLossScale, NoOpLossScale)
 }
 
-# Keys Keras' `serialize_keras_object` writes beside `class_name` and `config`;
-# they name Python modules, which are never imported here.
-_KERAS_KEYS = {"module", "registered_name"}
-
 
 def register_loss_scale(cls: type[LossScale]) -> type[LossScale]:
   """Lets `deserialize` build `cls` from a config naming `cls.__name__`.
@@ -58,12 +54,10 @@ def register_loss_scale(cls: type[LossScale]) -> type[LossScale]:
       "`register_loss_scale(cls)` takes a subclass of LossScale, got"
       f" {_validation.describe(cls)}."
     )
-  name = cls.__name__
-  known = _CLASSES.setdefault(name, cls)
-  if known is not cls:
+  if (known := _CLASSES.setdefault(cls.__name__, cls)) is not cls:
     raise ValueError(
-      f"`register_loss_scale(cls)`: the name {name!r} is already taken by"
-      f" {known!r}."
+      f"`register_loss_scale(cls)`: the name {cls.__name__!r} is already"
+      f" taken by {known!r}."
     )
   return cls
 
@@ -97,20 +91,6 @@ def serialize(loss_scale: LossScale) -> dict[str, Any]:
     "class_name": type(loss_scale).__name__,
     "config": loss_scale.get_config(),
   }
-
-
-def _keras_optimizer_loss_scale(config: dict[str, Any]) -> LossScale:
-  """The loss scale of a Keras `LossScaleOptimizer` config."""
-  if isinstance(config.get("loss_scale"), (dict, numbers.Real, str)):
-    # TF 2.3's `mixed_precision.experimental.LossScaleOptimizer`.
-    return from_identifier(config["loss_scale"], "deserialize(config)")
-  initial = config.get("initial_scale", 2.0**15)
-  if not config.get("dynamic", True):
-    return FixedLossScale(initial)
-  return DynamicLossScale(
-    initial_loss_scale=initial,
-    increment_period=config.get("dynamic_growth_steps", 2000),
-  )
 
 
 def deserialize(config: dict[str, Any]) -> LossScale:
@@ -147,7 +127,9 @@ def deserialize(config: dict[str, Any]) -> LossScale:
   where = "`deserialize(config)`"
   if not isinstance(config, dict):
     raise TypeError(f"{where} takes a dict, got {type(config).__name__}.")
-  unknown = set(config) - {"class_name", "config"} - _KERAS_KEYS
+  # Keras' `serialize_keras_object` writes `module` and `registered_name` too;
+  # they name Python modules, which are never imported here.
+  unknown = set(config) - {"class_name", "config", "module", "registered_name"}
   if "class_name" not in config or "config" not in config or unknown:
     raise ValueError(
       f"{where} takes a dict with the keys 'class_name' and 'config', got"
@@ -156,25 +138,29 @@ def deserialize(config: dict[str, Any]) -> LossScale:
   name, inner = config["class_name"], config["config"]
   if not isinstance(inner, dict) or not all(isinstance(k, str) for k in inner):
     raise ValueError(f"{where}: 'config' must be a dict with string keys.")
-  if name == "LossScaleOptimizer":
-    return _keras_optimizer_loss_scale(inner)
+  if name == "LossScaleOptimizer":  # a Keras optimizer's config: its scale
+    if isinstance(inner.get("loss_scale"), (dict, numbers.Real, str)):
+      # TF 2.3's `mixed_precision.experimental.LossScaleOptimizer`.
+      return from_identifier(inner["loss_scale"], "deserialize(config)")
+    initial = inner.get("initial_scale", 2.0**15)
+    if not inner.get("dynamic", True):
+      return FixedLossScale(initial)
+    return DynamicLossScale(initial, inner.get("dynamic_growth_steps", 2000))
   if not isinstance(name, str) or name not in _CLASSES:
     raise ValueError(
       f"{where}: unknown loss scale class {_validation.describe(name)}; known:"
       f" {sorted(_CLASSES)}. Register your own with `register_loss_scale`."
     )
-  cls = _CLASSES[name]
-  return cls.from_config(inner)
+  return _CLASSES[name].from_config(inner)
 
 
 def from_identifier(identifier: Any, where: str) -> LossScale:
   """A loss scale from a number, "dynamic", a config dict or a loss scale."""
-  number = (numbers.Real, np.ndarray, np.generic, jax.Array)
   if isinstance(identifier, LossScale):
     return identifier
-  if isinstance(identifier, number) and not isinstance(
-    identifier, (bool, np.bool_)
-  ):
+  if isinstance(
+    identifier, (numbers.Real, np.ndarray, np.generic, jax.Array)
+  ) and not isinstance(identifier, (bool, np.bool_)):
     # FixedLossScale validates and converts the number itself.
     return FixedLossScale(cast(float, identifier))
   if isinstance(identifier, str) and identifier == "dynamic":

@@ -95,15 +95,14 @@ class SkipRecord:
   def empty(cls, loss_scale: jax.Array, names: Sequence[str]) -> SkipRecord:
     """The record of no skip, for parameters whose leaves are `names`."""
     text = "".join(f"{name}\n" for name in names).encode()
-    no = jnp.array(False)
     return cls(
       step=jnp.full((), -1, jnp.int32),
       loss_scale=jnp.copy(loss_scale),
       next_loss_scale=jnp.copy(loss_scale),
       consecutive_skipped_steps=jnp.zeros((), jnp.int32),
-      loss_given=no,
+      loss_given=jnp.array(False),
       loss_finite=jnp.array(True),
-      at_floor=jnp.copy(no),
+      at_floor=jnp.array(False),
       nonfinite=jnp.zeros((len(names),), jnp.bool_),
       leaf_names=jnp.asarray(np.frombuffer(text, np.uint8)),
     )
@@ -213,24 +212,16 @@ class LossScaleOptimizerState(NamedTuple):
   accumulated: jax.Array
 
 
-def find_states(opt_state: Any, types: tuple[type, ...]) -> list[Any]:
-  """The nodes of `opt_state` of the given types, wherever they are nested."""
-  is_state = lambda x: isinstance(x, types)  # noqa: E731
-  leaves = jax.tree.leaves(opt_state, is_leaf=is_state)
-  return [n for n in leaves if is_state(n)]
-
-
 def check_dtypes(call: str, state: Any, like: Any) -> None:
   """Raises a `TypeError`, at trace time, if a field of `state` was cast.
 
   `like` is a state of the expected fields and dtypes (from `init`,
-  abstract); the inner state is not compared: the inner optimizer owns it.
+  abstract), with no inner state: the inner optimizer owns it, so it is not
+  compared.
   """
   inner = {"inner_state": None} if hasattr(state, "inner_state") else {}
   leaves = jax.tree_util.tree_leaves_with_path
-  want = {
-    jax.tree_util.keystr(p): x.dtype for p, x in leaves(like._replace(**inner))
-  }
+  want = {jax.tree_util.keystr(p): x.dtype for p, x in leaves(like)}
   got = {jax.tree_util.keystr(p): x for p, x in leaves(state._replace(**inner))}
   if got.keys() != want.keys():
     raise TypeError(
@@ -243,8 +234,12 @@ def check_dtypes(call: str, state: Any, like: Any) -> None:
 
 
 def find_one(where: str, opt_state: Any, types: tuple[type, ...]) -> Any:
-  """The one node of `opt_state` of the given types, or a `ValueError`."""
-  found = find_states(opt_state, types)
+  """The one node of `opt_state` of the given types, or a `ValueError`.
+
+  It may be nested at any depth.
+  """
+  nodes = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, types))
+  found = [n for n in nodes if isinstance(n, types)]
   if len(found) != 1:
     raise ValueError(
       f"{where} must be an optimizer state holding one"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import numbers
 from typing import Any
 
@@ -27,19 +26,19 @@ def describe(value: Any) -> str:
 def scalar(call: str, name: str, value: Any) -> float:
   """`value` as a Python float, finite in float32, or raises naming it."""
   where = f"`{call}({name}=...)`"
-  dtype = getattr(value, "dtype", None)
+  dtype = getattr(value, "dtype", None) or object
   if isinstance(value, jax.core.Tracer):
     raise TypeError(f"{where} must be a Python number, not a traced value.")
-  if isinstance(value, (bool, np.bool_)) or not (
+  real = ("real floating", "integral")  # not bool: np.bool_ fails too
+  if isinstance(value, bool) or not (
     isinstance(value, numbers.Real)
-    or (np.ndim(value) == 0 and jnp.issubdtype(dtype or object, jnp.floating))
-    or (np.ndim(value) == 0 and jnp.issubdtype(dtype or object, jnp.integer))
+    or (np.ndim(value) == 0 and jnp.isdtype(dtype, real))
   ):
     raise TypeError(f"{where} must be a real number, got {describe(value)}.")
   try:
     result = float(value)
   except OverflowError:  # a Python int beyond float64
-    result = math.inf
+    result = np.inf
   if not abs(result) <= FLOAT32_MAX:
     raise ValueError(
       f"{where} must be finite in float32, got {describe(value)}."
@@ -50,9 +49,7 @@ def scalar(call: str, name: str, value: Any) -> float:
 def integer(call: str, name: str, value: Any, *, minimum: int) -> int:
   """`value` as a Python int in `[minimum, int32's maximum]`, or raises."""
   where = f"`{call}({name}=...)`"
-  if isinstance(value, (bool, np.bool_)) or not isinstance(
-    value, (numbers.Integral, np.integer)
-  ):
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
     raise TypeError(f"{where} must be an int, got {describe(value)}.")
   if not minimum <= int(value) <= INT32_MAX:
     raise ValueError(
