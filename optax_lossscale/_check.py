@@ -44,12 +44,11 @@ def _check(
   value: Any,
   dtype: Any,
   shape: Any,
-  low: float,
-  high: float,
+  valid: tuple[float, float] = (0, np.inf),
   per_leaf: bool = False,
-) -> None:
+) -> np.ndarray | None:
   """`value`'s dtype, its shape (the state's, or with `per_leaf` one axis
-  more), its range."""
+  more), its range; returns its values if they are concrete."""
   value = _array(value)
   if isinstance(value, numbers.Number) or value is None:
     got = _validation.describe(value)
@@ -58,12 +57,13 @@ def _check(
     )
   _validation.array_dtype(where, value, dtype)
   got = np.shape(value)[: -1 if per_leaf else None]
-  if shape is not None and (got != shape or per_leaf and not np.ndim(value)):
+  if got != shape or per_leaf and not np.ndim(value):
     plus = ", plus one axis" if per_leaf else ""
     raise ValueError(
       f"{where} must have the state's shape {shape}{plus}, got {np.shape(value)}."
     )
-  _validation.in_range(where, value, low, high)
+  _validation.in_range(where, value, *valid)
+  return _validation.host_values(value)
 
 
 def _check_loss_scale(ls: LossScale, path: str, shape: Any) -> None:
@@ -80,9 +80,7 @@ def _check_loss_scale(ls: LossScale, path: str, shape: Any) -> None:
   ]
   for name, valid, (low, high), then in bounds:
     where = f"`{path}.{name}`"
-    value = getattr(ls, name)
-    _check(where, value, STATE_DTYPES[name], shape, *valid)
-    values = _validation.host_values(_array(value))
+    values = _check(where, getattr(ls, name), STATE_DTYPES[name], shape, valid)
     outside = np.zeros(0) if values is None else values
     outside = outside[(outside < low) | (outside > high)]
     if len(outside):
@@ -97,21 +95,17 @@ def _check_optimizer_state(state: LossScaleOptimizerState, path: str) -> None:
   if not isinstance(state.loss_scale, LossScale):
     got = _validation.describe(state.loss_scale)
     raise TypeError(f"`{path}.loss_scale` must be a LossScale, got {got}.")
-  should_apply = _array(state.should_apply)
-  _check(f"`{path}.should_apply`", should_apply, np.bool_, None, 0, 1)
-  shape = np.shape(should_apply)
-  for name in _COUNTERS:
+  shape = np.shape(_array(state.should_apply))
+  counts = {}
+  for name in ("should_apply", *_COUNTERS):
+    dtype = np.bool_ if name == "should_apply" else np.int32
     where = f"`{path}.{name}`"
-    _check(where, getattr(state, name), np.int32, shape, 0, np.inf)
+    counts[name] = _check(where, getattr(state, name), dtype, shape)
   norm = _array(state.grad_norm)  # inf after an overflow
   _validation.array_dtype(f"`{path}.grad_norm`", norm, np.float32)
-  skipped, consecutive = (
-    _validation.host_values(_array(getattr(state, n))) for n in _COUNTERS[:2]
-  )
-  if (
-    skipped is not None
-    and consecutive is not None
-    and (consecutive > skipped).any()
+  skipped, consecutive = (counts[name] for name in _COUNTERS[:2])
+  if not (
+    skipped is None or consecutive is None or (consecutive <= skipped).all()
   ):
     raise ValueError(
       f"`{path}.consecutive_skipped_steps` must be at most `skipped_steps`,"
@@ -128,12 +122,11 @@ def _check_optimizer_state(state: LossScaleOptimizerState, path: str) -> None:
         f"`{path}.{field}` must be a {type(empty).__name__}, got"
         f" {_validation.describe(record)}."
       )
-    for name, want in vars(empty).items():
+    for name, want in vars(empty).items():  # `want` of one axis: per leaf
       where = f"`{path}.{field}.{name}`"
-      low = -1 if name == "step" else 0  # -1: none yet
-      per_leaf = name in ("nonfinite", "leaf_names")
+      valid = (-1 if name == "step" else 0, np.inf)  # -1: none yet
       value = getattr(record, name)
-      _check(where, value, want.dtype, shape, low, np.inf, per_leaf)
+      _check(where, value, want.dtype, shape, valid, per_leaf=want.ndim == 1)
     raw = _validation.host_values(_array(state.last_skip.leaf_names))
     names = None if raw is None else len(state.last_skip.names())
     flags = np.shape(_array(record.nonfinite))
@@ -148,9 +141,7 @@ def _walk(tree: Any, root: str) -> int:
   """Checks the states in `tree`; returns how many loss scales it holds."""
   found = lambda x: isinstance(x, (LossScale, LossScaleOptimizerState))  # noqa: E731
   count = 0
-  for keys, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=found)[
-    0
-  ]:
+  for keys, node in jax.tree_util.tree_leaves_with_path(tree, is_leaf=found):
     path = f"{root}{jax.tree_util.keystr(keys)}"
     if isinstance(node, LossScaleOptimizerState):
       _check_optimizer_state(node, path)

@@ -6,6 +6,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 
 from optax_lossscale import _validation
@@ -18,6 +19,7 @@ from optax_lossscale._states import (
 __all__ = ["ConsecutiveSkipsError", "SkipMonitor", "SkipReport", "skip_reports"]
 
 _LOGGER = logging.getLogger("optax_lossscale")
+_LOSS = {None: "no loss given", True: "loss finite", False: "loss NON-FINITE"}
 
 
 class SkipReport(NamedTuple):
@@ -55,18 +57,12 @@ class SkipReport(NamedTuple):
   member: int | None = None
 
   def __str__(self) -> str:
-    loss = {
-      None: "no loss given",
-      True: "loss finite",
-      False: "loss NON-FINITE",
-    }
     member = "" if self.member is None else f"member {self.member}: "
     return (
       f"{member}skipped step {self.step} ({self.consecutive_skipped_steps} in"
-      f" a row, {self.skipped_steps} in all): loss scale"
-      f" {self.loss_scale:g} -> {self.next_loss_scale:g};"
-      f" {loss[self.loss_finite]}; non-finite gradients:"
-      f" {_listed(self.nonfinite)}"
+      f" a row, {self.skipped_steps} in all): loss scale {self.loss_scale:g} ->"
+      f" {self.next_loss_scale:g}; {_LOSS[self.loss_finite]}; non-finite"
+      f" gradients: {_listed(self.nonfinite)}"
     )
 
 
@@ -96,62 +92,41 @@ class ConsecutiveSkipsError(RuntimeError):
 ConsecutiveSkipsError.__module__ = "optax_lossscale"
 
 
-class _Members(NamedTuple):
-  """A state's counters and record on the host, one row per member."""
-
-  batched: bool
-  skipped: np.ndarray
-  consecutive: np.ndarray
-  loss_scale: np.ndarray
-  record: dict[str, np.ndarray]
-  names: tuple[str, ...]
-  write_step: np.ndarray
-  written: np.ndarray
-
-
-def _read(call: str, opt_state: Any) -> _Members:
-  """Reads the one `LossScaleOptimizerState` in `opt_state` on the host."""
+def _read(call: str, opt_state: Any) -> tuple[Any, bool]:
+  """The one `LossScaleOptimizerState` in `opt_state`, read on the host: its
+  leaves one row per member, its loss scale the scale, no inner state; and
+  whether it is stacked over members."""
   types = (LossScaleOptimizerState,)
   state = find_one(f"`{call}(opt_state)`", opt_state, types)
   skipped = np.asarray(first_copy(state.skipped_steps))
-  size = skipped.size
 
-  def rows(x: Any, per_leaf: bool = False) -> np.ndarray:
-    x = np.asarray(first_copy(x))
-    return x.reshape(size, -1) if per_leaf else np.resize(x, size)
+  def rows(x: Any) -> np.ndarray:
+    x = np.asarray(first_copy(x))  # a fixed scale is shared: repeated
+    return np.resize(x, (skipped.size, *x.shape[skipped.ndim :]))
 
-  record = state.last_skip
-  fields = {k: v for k, v in vars(record).items() if k != "leaf_names"}
-  return _Members(
-    batched=skipped.ndim > 0,
-    skipped=skipped.reshape(-1),
-    consecutive=rows(state.consecutive_skipped_steps),
-    loss_scale=rows(state.loss_scale()),
-    record={k: rows(v, k == "nonfinite") for k, v in fields.items()},
-    names=record.names(),
-    write_step=rows(state.last_nonfinite_write.step),
-    written=rows(state.last_nonfinite_write.nonfinite, per_leaf=True),
-  )
+  host = state._replace(inner_state=None, loss_scale=state.loss_scale())
+  return jax.tree.map(rows, host), bool(skipped.ndim)
 
 
-def _report(members: _Members, m: int) -> SkipReport | None:
+def _flagged(names: Sequence[str], flags: np.ndarray) -> tuple[str, ...]:
+  """The names whose flag is set."""
+  return tuple(n for n, bad in zip(names, flags, strict=True) if bad)
+
+
+def _report(state: Any, m: int, batched: bool) -> SkipReport | None:
   """Member `m`'s last skip, or None if its record holds none."""
-  record = {k: v[m] for k, v in members.record.items()}
-  if record["consecutive_skipped_steps"] == 0:
+  record = state.last_skip
+  if record.consecutive_skipped_steps[m] == 0:
     return None
   return SkipReport(
-    step=int(record["step"]),
-    loss_scale=float(record["loss_scale"]),
-    next_loss_scale=float(record["next_loss_scale"]),
-    skipped_steps=int(members.skipped[m]),
-    consecutive_skipped_steps=int(record["consecutive_skipped_steps"]),
-    loss_finite=bool(record["loss_finite"]) if record["loss_given"] else None,
-    nonfinite=tuple(
-      n
-      for n, bad in zip(members.names, record["nonfinite"], strict=True)
-      if bad
-    ),
-    member=m if members.batched else None,
+    step=int(record.step[m]),
+    loss_scale=float(record.loss_scale[m]),
+    next_loss_scale=float(record.next_loss_scale[m]),
+    skipped_steps=int(state.skipped_steps[m]),
+    consecutive_skipped_steps=int(record.consecutive_skipped_steps[m]),
+    loss_finite=bool(record.loss_finite[m]) if record.loss_given[m] else None,
+    nonfinite=_flagged(record.names(), record.nonfinite[m]),
+    member=m if batched else None,
   )
 
 
@@ -170,37 +145,35 @@ _FIXES = {
 }
 
 
-def _write_message(members: _Members, ms: list[int]) -> str:
+def _write_message(state: Any, ms: list[int], batched: bool) -> str:
   """Which parameters of members `ms` an update made non-finite, and the fix."""
-  m, step = ms[0], members.write_step[ms[0]]
-  member = f" (members {ms})" if members.batched else ""
-  bad = [
-    n for n, no in zip(members.names, members.written[m], strict=True) if no
-  ]
+  step = state.last_nonfinite_write.step[ms[0]]
+  member = f" (members {ms})" if batched else ""
+  names = state.last_skip.names()
+  bad = _flagged(names, state.last_nonfinite_write.nonfinite[ms[0]])
   return (
     f"LossScaleOptimizer{member}: a skipped step was given non-finite"
     f" parameters: {_listed(bad)}. Step {step} (0-based), the last one"
-    " applied, wrote"
-    " them from finite gradients (or an earlier step, if they did not reach"
-    " the loss): float16 parameters or optimizer state (Optax's `eps`, 1e-8"
-    " in Adam, is 0 in float16), or a learning rate too large. Keep both in"
-    " float32 (cast to float16 in the forward pass), and restart from a"
-    f" checkpoint taken before step {step}."
+    " applied, wrote them from finite gradients (or an earlier step, if they"
+    " did not reach the loss): float16 parameters or optimizer state (Optax's"
+    " `eps`, 1e-8 in Adam, is 0 in float16), or a learning rate too large."
+    " Keep both in float32 (cast to float16 in the forward pass), and restart"
+    f" from a checkpoint taken before step {step}."
   )
 
 
-def _stop_message(members: _Members, m: int, limit: int) -> str:
+def _stop_message(state: Any, m: int, limit: int, batched: bool) -> str:
   """What happened to member `m`, and the likely fix."""
-  report = _report(members, m)
-  member = f" (member {m})" if members.batched else ""
+  report = _report(state, m, batched)
+  member = f" (member {m})" if batched else ""
   head = (
-    f"LossScaleOptimizer{member}: {members.consecutive[m]} consecutive steps"
-    f" skipped (max_consecutive_skips={limit}); training has stopped making"
-    f" progress. The loss scale is now {members.loss_scale[m]:g}."
+    f"LossScaleOptimizer{member}: {state.consecutive_skipped_steps[m]}"
+    f" consecutive steps skipped (max_consecutive_skips={limit}); training has"
+    f" stopped making progress. The loss scale is now {state.loss_scale[m]:g}."
   )
   if report is None:
     return f"{head} The state holds no record of the skipped steps."
-  at_floor = bool(members.record["at_floor"][m])
+  at_floor = bool(state.last_skip.at_floor[m])
   where = "at its floor (min_loss_scale)" if at_floor else "above its floor"
   what = (
     f" The last skipped step ran at loss scale {report.loss_scale:g}, {where}."
@@ -252,8 +225,8 @@ def skip_reports(opt_state: Any) -> list[SkipReport]:
     >>> print(*ols.skip_reports(state))
     member 1: skipped step 0 (1 in a row, 1 in all): loss scale 32768 -> 16384; no loss given; non-finite gradients: ['w']
   """
-  members = _read("skip_reports", opt_state)
-  reports = (_report(members, m) for m in range(members.skipped.size))
+  state, batched = _read("skip_reports", opt_state)
+  reports = (_report(state, m, batched) for m in range(len(state.steps)))
   return [report for report in reports if report is not None]
 
 
@@ -262,12 +235,10 @@ def _log_warning(report: SkipReport) -> None:
   _LOGGER.warning("%s", report)
 
 
-def _changed(
-  seen: np.ndarray | None, now: np.ndarray, start: int = 0
-) -> np.ndarray:
-  """The members whose count is not the one `seen` (`start`, at first)."""
-  same = seen is not None and seen.shape == now.shape
-  return np.flatnonzero(now != (seen if same else start))
+def _changed(seen: np.ndarray, now: np.ndarray, start: int = 0) -> np.ndarray:
+  """The members whose count is not the one `seen` (`start` if `seen` holds
+  another number of members, as at first)."""
+  return np.flatnonzero(now != (seen if seen.shape == now.shape else start))
 
 
 class SkipMonitor:
@@ -332,8 +303,7 @@ class SkipMonitor:
       )
     self.max_consecutive_skips = max_consecutive_skips
     self.log = log
-    self._seen: np.ndarray | None = None
-    self._seen_write: np.ndarray | None = None
+    self._seen = self._seen_write = np.zeros(0)  # no member yet
 
   def __call__(self, opt_state: Any) -> SkipReport | None:
     """Reads the state; logs and returns the new skips, or raises.
@@ -357,24 +327,28 @@ class SkipMonitor:
       ValueError: if the state holds no `LossScaleOptimizerState`, or
         several.
     """
-    members = _read("SkipMonitor", opt_state)
+    state, batched = _read("SkipMonitor", opt_state)
+    skipped, write = state.skipped_steps, state.last_nonfinite_write
     # A count that went down (a restored checkpoint) is news too.
-    new = [int(m) for m in _changed(self._seen, members.skipped)]
-    self._seen = members.skipped.copy()
-    reports = [r for r in (_report(members, m) for m in new) if r is not None]
+    new = [int(m) for m in _changed(self._seen, skipped)]
+    self._seen = skipped.copy()
+    found = (_report(state, m, batched) for m in new)
+    reports = [report for report in found if report is not None]
     if self.log is not None:
       for report in reports:
         self.log(report)
-    wrote = _changed(self._seen_write, members.write_step, start=-1)
-    self._seen_write = members.write_step.copy()
-    wrote = wrote[members.written[wrote].any(axis=-1)]
+    wrote = _changed(self._seen_write, write.step, start=-1)
+    self._seen_write = write.step.copy()
+    wrote = wrote[write.nonfinite[wrote].any(axis=-1)]
     if wrote.size:
-      raise FloatingPointError(_write_message(members, wrote.tolist()))
+      raise FloatingPointError(_write_message(state, wrote.tolist(), batched))
     limit = self.max_consecutive_skips
-    worst = int(np.argmax(members.consecutive))
-    if limit is not None and members.consecutive[worst] >= limit:
+    consecutive = state.consecutive_skipped_steps
+    worst = int(np.argmax(consecutive))
+    if limit is not None and consecutive[worst] >= limit:
       raise ConsecutiveSkipsError(
-        _stop_message(members, worst, limit), _report(members, worst)
+        _stop_message(state, worst, limit, batched),
+        _report(state, worst, batched),
       )
-    streak = lambda r: members.consecutive[r.member or 0]  # noqa: E731
+    streak = lambda r: consecutive[r.member or 0]  # noqa: E731
     return max(reports, key=streak, default=None)
