@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import warnings
 from collections.abc import Callable
@@ -10,26 +9,27 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from optax.tree import where as tree_where
 
 from optax_lossscale import _cond, _numerics, _retry, _validation
+from optax_lossscale._inputs import (
+  check_inputs,
+  check_loss_scale,
+  leaf_names,
+  like_grads,
+  overwrite_mask,
+)
 from optax_lossscale._loss_scale import LossScale, map_floats
 from optax_lossscale._read import Checks, check, masked
 from optax_lossscale._states import (
   LossScaleOptimizerState,
   SkipRecord,
   WriteRecord,
-  check_dtypes,
 )
 from optax_lossscale._value_and_grad import scaled_value_and_grad
 
 __all__ = ["LossScaleOptimizer"]
-
-# flax's `fp8_ops.OVERWRITE_WITH_GRADIENT`: FP8 scales and amax histories,
-# whose "gradients" are their new values.
-_OVERWRITE = "_overwrite_with_gradient"
 
 
 class _Step(NamedTuple):
@@ -43,55 +43,6 @@ class _Step(NamedTuple):
   attempt: _retry.Attempt
 
 
-def _in_overwrite_collection(path: tuple[Any, ...]) -> bool:
-  # flax's rule: a top-level key of the variables (`TrainState`, fp8_ops).
-  return bool(path) and getattr(path[0], "key", None) == _OVERWRITE
-
-
-def leaf_names(tree: Any) -> list[str]:
-  """The names of `tree`'s leaves in reports: their key paths, an NNX
-  variable's being the variable's (without `.value`)."""
-  is_variable = lambda x: any(  # noqa: E731
-    f"{c.__module__}.{c.__name__}" == "flax.nnx.variablelib.Variable"
-    for c in type(x).__mro__
-  )
-  flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_variable)[0]
-  return [
-    jax.tree_util.keystr(path) or "<root>"
-    for path, node in flat
-    for _ in jax.tree.leaves(node)
-  ]
-
-
-def like_grads(params: Any) -> Any:
-  """The part of `params` shaped like the gradients: `optax.lookahead`'s
-  parameters hold the fast weights, which the gradients are of, and the
-  slow ones."""
-  return params.fast if isinstance(params, optax.LookaheadParams) else params
-
-
-def overwrite_mask(call: str, overwrite: Any, tree: Any) -> Any:
-  """Per leaf of `tree`, whether the gradient overwrites it: bools."""
-  rule = _in_overwrite_collection if overwrite is None else overwrite
-  try:  # a function of the path, or a pytree of bools (or its prefix)
-    if callable(rule):
-      mask = jax.tree_util.tree_map_with_path(lambda p, _: rule(p), tree)
-    else:
-      mask = jax.tree.map(lambda m, x: jax.tree.map(lambda _: m, x), rule, tree)
-  except ValueError as e:
-    raise ValueError(
-      f"`{call}`: `overwrite_with_gradient` must be a function or a pytree"
-      f" of bools like the parameters: {e}"
-    ) from None
-  for flag in jax.tree.leaves(mask):
-    if not isinstance(flag, (bool, np.bool_)):
-      raise TypeError(
-        f"`{call}`: `overwrite_with_gradient` must give a bool per leaf, got"
-        f" {_validation.describe(flag)}."
-      )
-  return mask
-
-
 _FLOAT16 = (
   "LossScaleOptimizer.init: float16 parameters with a float16 inner state: if"
   " `inner` divides by an `eps` (Adam's 1e-8 is 0 in float16), a zero gradient"
@@ -101,69 +52,6 @@ _FLOAT16 = (
 
 def _float16(tree: Any) -> bool:
   return jnp.float16 in [getattr(x, "dtype", 0) for x in jax.tree.leaves(tree)]
-
-
-def check_loss_scale(call: str, loss_scale: Any) -> None:
-  if not isinstance(loss_scale, LossScale):
-    got = _validation.describe(loss_scale)
-    if isinstance(loss_scale, type):  # the class: `DynamicLossScale`
-      got += f"; call it: `{loss_scale.__name__}()`"
-    raise TypeError(f"`{call}(loss_scale=...)` must be a LossScale, got {got}.")
-
-
-def check_structure(call: str, grads: Any, params: Any) -> None:
-  """Raises a `ValueError` naming the leaf where `grads` and `params` differ.
-
-  `optax.lookahead`'s parameters are checked by their fast weights.
-  """
-  params = like_grads(params)
-  if params is None or grads is None:
-    return
-  is_none = lambda x: x is None  # noqa: E731
-  pairs = [
-    jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_none)
-    for tree in (grads, params)
-  ]
-  keys = [[jax.tree_util.keystr(k) for k, _ in pair] for pair in pairs]
-  if keys[0] != keys[1]:
-    odd = sorted(set(keys[0]) ^ set(keys[1]))[:3] or "the tree types"
-    raise ValueError(
-      f"`{call}`: the gradients' and the parameters' structures differ"
-      f" (at {odd})."
-    )
-  for (path, g), (_, p) in zip(*pairs, strict=True):
-    if g is None and p is None:  # Equinox's gradients of non-parameters
-      continue
-    if g is None:
-      problem = "is None, its parameter not"
-    elif jnp.shape(g) != jnp.shape(p):
-      problem = f"has shape {jnp.shape(g)}, its parameter {jnp.shape(p)}"
-    elif _numerics.varying_axes(g) - _numerics.varying_axes(p):
-      problem = (
-        "varies across devices but its parameter does not, so an applied"
-        " and a skipped step would differ in type. Average the gradients"
-        " first: `grads = jax.lax.pmean(grads, axis_name)`"
-      )
-    else:
-      continue
-    name = jax.tree_util.keystr(path) or "<root>"
-    raise ValueError(f"`{call}`: the gradient at {name} {problem}.")
-
-
-def _mismatch(call: str, paths: list[Any], slots: int) -> str:
-  """The parameters' subtrees, when their leaves are not `init`'s."""
-  counts = collections.Counter(
-    jax.tree_util.keystr(path[:1]) for path, _ in paths
-  )
-  fits = [k for k, n in counts.items() if n == slots]
-  others = ", ".join(k for k in counts if fits and k != fits[0])
-  hint = f"; pass {fits[0]} alone and keep {others} apart" if others else ""
-  return (
-    f"`{call}`: the parameters have {len(paths)} leaves"
-    f" ({', '.join(f'{k}: {n}' for k, n in counts.items())}), `init` had"
-    f" {slots}{hint} (flax's `TrainState` trains `variables['params']` and"
-    " carries the other collections)."
-  )
 
 
 def decide(
@@ -584,7 +472,7 @@ class LossScaleOptimizer:
         " `apply_gradients(grads, state, params)`."
       )
     _validation.integer(call, "max_retries", max_retries, minimum=0)
-    self._check_inputs(call, None, state, params)
+    check_inputs(call, None, state, params, self._dtypes)
     value_and_grad = scaled_value_and_grad(fun, has_aux=has_aux)
     loss_of = (lambda v: v[0]) if has_aux else (lambda v: v)
 
@@ -659,7 +547,7 @@ class LossScaleOptimizer:
     follows (`held`) writes nothing; that is folded into the one conditional
     (a second would make XLA copy what the retry loop carries).
     """
-    self._check_inputs(call, grads, state, params)
+    check_inputs(call, grads, state, params, self._dtypes)
     mask = self._mask(call, grads)
     if params is None and any(jax.tree.leaves(mask)):
       raise ValueError(f"`{call}(params=None)`: overwritten leaves need them.")
@@ -839,21 +727,3 @@ class LossScaleOptimizer:
       return jax.tree.map(pick, mask, base, step.attempt.grads, params)
 
     return output, update
-
-  def _check_inputs(
-    self, call: str, grads: Any, state: Any, params: Any
-  ) -> None:
-    """Raises, at trace time, naming what is wrong with a step's inputs."""
-    if isinstance(params, LossScaleOptimizerState):
-      order = "fun, params, state" if "minimize" in call else "grads, state"
-      raise TypeError(
-        f"`{call}`: `params` is the optimizer state; the arguments are"
-        f" ({order}, ...)."
-      )
-    _validation.state(call, state, LossScaleOptimizerState)
-    check_dtypes(call, state, self._dtypes)
-    check_structure(call, grads, params)
-    slots = state.last_skip.nonfinite.shape[-1]
-    paths = jax.tree_util.tree_leaves_with_path(like_grads(params))
-    if params is not None and slots and len(paths) != slots:
-      raise ValueError(_mismatch(call, paths, slots))

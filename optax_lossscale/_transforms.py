@@ -9,12 +9,9 @@ import jax.numpy as jnp
 import optax
 
 from optax_lossscale import _numerics, _validation
+from optax_lossscale._inputs import check_loss_scale, check_structure
 from optax_lossscale._loss_scale import LossScale
-from optax_lossscale._optimizer import (
-  check_loss_scale,
-  check_structure,
-  decide,
-)
+from optax_lossscale._optimizer import decide
 from optax_lossscale._read import check
 from optax_lossscale._states import UnscaleGradientsState, check_dtypes
 

@@ -1,0 +1,154 @@
+"""The checks of a step's inputs, which name what is wrong, and the names of
+the parameters' leaves."""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from optax_lossscale import _numerics, _validation
+from optax_lossscale._loss_scale import LossScale
+from optax_lossscale._states import LossScaleOptimizerState, check_dtypes
+
+# flax's `fp8_ops.OVERWRITE_WITH_GRADIENT`: FP8 scales and amax histories,
+# whose "gradients" are their new values.
+_OVERWRITE = "_overwrite_with_gradient"
+
+
+def _in_overwrite_collection(path: tuple[Any, ...]) -> bool:
+  # flax's rule: a top-level key of the variables (`TrainState`, fp8_ops).
+  return bool(path) and getattr(path[0], "key", None) == _OVERWRITE
+
+
+def leaf_names(tree: Any) -> list[str]:
+  """The names of `tree`'s leaves in reports: their key paths, an NNX
+  variable's being the variable's (without `.value`)."""
+  is_variable = lambda x: any(  # noqa: E731
+    f"{c.__module__}.{c.__name__}" == "flax.nnx.variablelib.Variable"
+    for c in type(x).__mro__
+  )
+  flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_variable)[0]
+  return [
+    jax.tree_util.keystr(path) or "<root>"
+    for path, node in flat
+    for _ in jax.tree.leaves(node)
+  ]
+
+
+def like_grads(params: Any) -> Any:
+  """The part of `params` shaped like the gradients: `optax.lookahead`'s
+  parameters hold the fast weights, which the gradients are of, and the
+  slow ones."""
+  return params.fast if isinstance(params, optax.LookaheadParams) else params
+
+
+def overwrite_mask(call: str, overwrite: Any, tree: Any) -> Any:
+  """Per leaf of `tree`, whether the gradient overwrites it: bools."""
+  rule = _in_overwrite_collection if overwrite is None else overwrite
+  try:  # a function of the path, or a pytree of bools (or its prefix)
+    if callable(rule):
+      mask = jax.tree_util.tree_map_with_path(lambda p, _: rule(p), tree)
+    else:
+      mask = jax.tree.map(lambda m, x: jax.tree.map(lambda _: m, x), rule, tree)
+  except ValueError as e:
+    raise ValueError(
+      f"`{call}`: `overwrite_with_gradient` must be a function or a pytree"
+      f" of bools like the parameters: {e}"
+    ) from None
+  for flag in jax.tree.leaves(mask):
+    if not isinstance(flag, (bool, np.bool_)):
+      raise TypeError(
+        f"`{call}`: `overwrite_with_gradient` must give a bool per leaf, got"
+        f" {_validation.describe(flag)}."
+      )
+  return mask
+
+
+def check_loss_scale(call: str, loss_scale: Any) -> None:
+  if not isinstance(loss_scale, LossScale):
+    got = _validation.describe(loss_scale)
+    if isinstance(loss_scale, type):  # the class: `DynamicLossScale`
+      got += f"; call it: `{loss_scale.__name__}()`"
+    raise TypeError(f"`{call}(loss_scale=...)` must be a LossScale, got {got}.")
+
+
+def check_structure(call: str, grads: Any, params: Any) -> None:
+  """Raises a `ValueError` naming the leaf where `grads` and `params` differ.
+
+  `optax.lookahead`'s parameters are checked by their fast weights.
+  """
+  params = like_grads(params)
+  if params is None or grads is None:
+    return
+  is_none = lambda x: x is None  # noqa: E731
+  pairs = [
+    jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_none)
+    for tree in (grads, params)
+  ]
+  keys = [[jax.tree_util.keystr(k) for k, _ in pair] for pair in pairs]
+  if keys[0] != keys[1]:
+    odd = sorted(set(keys[0]) ^ set(keys[1]))[:3] or "the tree types"
+    raise ValueError(
+      f"`{call}`: the gradients' and the parameters' structures differ"
+      f" (at {odd})."
+    )
+  for (path, g), (_, p) in zip(*pairs, strict=True):
+    if g is None and p is None:  # Equinox's gradients of non-parameters
+      continue
+    if g is None:
+      problem = "is None, its parameter not"
+    elif jnp.shape(g) != jnp.shape(p):
+      problem = f"has shape {jnp.shape(g)}, its parameter {jnp.shape(p)}"
+    elif _numerics.varying_axes(g) - _numerics.varying_axes(p):
+      problem = (
+        "varies across devices but its parameter does not, so an applied"
+        " and a skipped step would differ in type. Average the gradients"
+        " first: `grads = jax.lax.pmean(grads, axis_name)`"
+      )
+    else:
+      continue
+    name = jax.tree_util.keystr(path) or "<root>"
+    raise ValueError(f"`{call}`: the gradient at {name} {problem}.")
+
+
+def _mismatch(call: str, paths: list[Any], slots: int) -> str:
+  """The parameters' subtrees, when their leaves are not `init`'s."""
+  counts = collections.Counter(
+    jax.tree_util.keystr(path[:1]) for path, _ in paths
+  )
+  fits = [k for k, n in counts.items() if n == slots]
+  others = ", ".join(k for k in counts if fits and k != fits[0])
+  hint = f"; pass {fits[0]} alone and keep {others} apart" if others else ""
+  return (
+    f"`{call}`: the parameters have {len(paths)} leaves"
+    f" ({', '.join(f'{k}: {n}' for k, n in counts.items())}), `init` had"
+    f" {slots}{hint} (flax's `TrainState` trains `variables['params']` and"
+    " carries the other collections)."
+  )
+
+
+def check_inputs(
+  call: str, grads: Any, state: Any, params: Any, dtypes: Any
+) -> None:
+  """Raises, at trace time, naming what is wrong with a step's inputs.
+
+  `dtypes` is a state of the fields and dtypes `init` returns.
+  """
+  if isinstance(params, LossScaleOptimizerState):
+    order = "fun, params, state" if "minimize" in call else "grads, state"
+    raise TypeError(
+      f"`{call}`: `params` is the optimizer state; the arguments are"
+      f" ({order}, ...)."
+    )
+  _validation.state(call, state, LossScaleOptimizerState)
+  check_dtypes(call, state, dtypes)
+  check_structure(call, grads, params)
+  slots = state.last_skip.nonfinite.shape[-1]
+  paths = jax.tree_util.tree_leaves_with_path(like_grads(params))
+  if params is not None and slots and len(paths) != slots:
+    raise ValueError(_mismatch(call, paths, slots))
