@@ -101,8 +101,8 @@ def _next_state(
   should_apply: jax.Array,
   attempt: _retry.Attempt,
 ) -> LossScaleOptimizerState:
-  """The counters and the skip record after a step (of `attempt`, unless a
-  retry follows it); the inner state and the write record come apart.
+  """The counters and the skip record after a step (of `attempt`); the
+  inner state and the write record come apart.
 
   The record's scale is the step's; the attempt's says whether the scale
   reached its floor.
@@ -123,9 +123,8 @@ def _next_state(
     nonfinite=~checks.flags[:slots],
   )
   loss_failed = False if loss_finite is None else ~loss_finite
-  dropped = skipped & jnp.logical_not(attempt.held)
   return state._replace(
-    last_skip=tree_where(dropped, record, state.last_skip),
+    last_skip=tree_where(skipped, record, state.last_skip),
     loss_scale=loss_scale,
     should_apply=should_apply,
     skipped_steps=_count(state.skipped_steps, skipped),
@@ -476,50 +475,29 @@ class LossScaleOptimizer:
     value_and_grad = scaled_value_and_grad(fun, has_aux=has_aux)
     loss_of = (lambda v: v[0]) if has_aux else (lambda v: v)
 
-    def attempt(loss_scale: LossScale, params: Any) -> tuple[Any, Any]:
+    def attempt(loss_scale: LossScale) -> tuple[Any, Any]:
       return value_and_grad(loss_scale, params, *args, **kwargs)
 
-    if max_retries == 0:
-      value, grads = attempt(state.loss_scale, params)
-      params, state = self.apply_gradients(
-        grads, state, params, value=loss_of(value)
-      )
-      return value, params, state
-    return self._retried(call, attempt, loss_of, params, state, max_retries)
-
-  def _retried(
-    self,
-    call: str,
-    attempt: Callable[[LossScale, Any], tuple[Any, Any]],
-    loss_of: Callable[[Any], Any],
-    params: Any,
-    state: LossScaleOptimizerState,
-    max_retries: int,
-  ) -> tuple[Any, Any, LossScaleOptimizerState]:
-    """`minimize` with retries: each attempt runs `_step`, held but the last."""
-    if state.loss_scale.lowered() is None:
+    if max_retries and state.loss_scale.lowered() is None:
       raise ValueError(
         f"`{call}(max_retries=...)` must be 0 with a"
         f" {type(state.loss_scale).__name__}, which cannot be lowered, got"
         f" {max_retries}."
       )
-
-    def finish(found: _retry.Attempt, operand: Any) -> Any:
-      extra_args = {"value": loss_of(found.value)}
-      params, state = operand
-      return self._step(
-        call, found.grads, state, params, extra_args, True, found
+    found = None
+    if max_retries:
+      found = _retry.retry(
+        attempt,
+        lambda ls, value, g: check(
+          call, ls, g, loss_of(value), self.axis_name, self._mask(call, g)
+        ),
+        state.loss_scale,
+        max_retries,
       )
-
-    value, (params, state) = _retry.retry(
-      lambda ls, operand: attempt(ls, operand[0]),
-      lambda ls, value, g: check(
-        call, ls, g, loss_of(value), self.axis_name, self._mask(call, g)
-      ),
-      finish,
-      state.loss_scale,
-      max_retries,
-      (params, state),
+    value, grads = attempt(state.loss_scale) if found is None else found[:2]
+    extra_args = {"value": loss_of(value)}
+    params, state = self._step(
+      call, grads, state, params, extra_args, True, found
     )
     return value, params, state
 
@@ -543,22 +521,19 @@ class LossScaleOptimizer:
   ) -> tuple[Any, LossScaleOptimizerState]:
     """Read, decide, one conditional around `inner`, and the new state.
 
-    `attempt` is one of `minimize`'s attempts: an attempt that a retry
-    follows (`held`) writes nothing; that is folded into the one conditional
-    (a second would make XLA copy what the retry loop carries).
+    `attempt` is the one `minimize`'s retries applied.
     """
     check_inputs(call, grads, state, params, self._dtypes)
     mask = self._mask(call, grads)
     if params is None and any(jax.tree.leaves(mask)):
       raise ValueError(f"`{call}(params=None)`: overwritten leaves need them.")
-    if attempt is None:  # `held` a Python bool: a constant array closed over
-      # by a branch fails `vmap` over Explicit-sharded members.
+    if attempt is None:
       value = extra_args.get("value")
       checks = check(call, state.loss_scale, grads, value, self.axis_name, mask)
-      attempt = _retry.Attempt(value, grads, state.loss_scale, checks, 0, False)
+      attempt = _retry.Attempt(value, grads, state.loss_scale, checks, 0)
     step = _Step(state, params, extra_args, fused, mask, attempt)
     loss_scale, should_apply = self._decide(state, attempt)
-    index, closes, counters = self._schedule(state, should_apply, attempt.held)
+    index, closes, counters = self._schedule(state, should_apply)
     # The skip stays branch 0: XLA's conditional passes donated buffers
     # through it uncopied (jax#39449; other orders copy each:
     # tests/test_accelerator_ready.py).
@@ -579,8 +554,6 @@ class LossScaleOptimizer:
     new = new._replace(
       inner_state=inner, last_nonfinite_write=wrote, grad_norm=norm
     )
-    if attempt.held is not False:  # a held attempt keeps scale and counters
-      new = tree_where(attempt.held, state._replace(inner_state=inner), new)
     return out, new
 
   def _decide(
@@ -596,29 +569,27 @@ class LossScaleOptimizer:
     return decide(state.loss_scale, first, self.skip_nonfinite)[0], should_apply
 
   def _schedule(
-    self, state: LossScaleOptimizerState, should_apply: Any, held: Any
+    self, state: LossScaleOptimizerState, should_apply: jax.Array
   ) -> tuple[jax.Array, jax.Array, tuple[jax.Array, ...] | None]:
     """The branch, whether a window closes, and the window's counters.
 
     Branch 0 skips; without accumulation 1 steps; with it 1 accumulates
     and 2 steps, at the window's last micro-batch if the window kept any.
     """
-    applies = (should_apply & jnp.logical_not(held)).astype(jnp.int32)
+    applies = should_apply.astype(jnp.int32)
     if self._every_k is None:
       return applies, jnp.array(True), None
-    window, held = state.inner_state, jnp.asarray(held)
+    window = state.inner_state
     closes = window.mini_step + 1 >= self._every_k(window.gradient_step)
     kept = state.accumulated + applies
-    # A held attempt skips: the retry that follows it may close the window.
-    index = jnp.where(closes & (kept > 0) & ~held, 2, applies)
-    position = jnp.where(closes, 0, window.mini_step + 1)
+    index = jnp.where(closes & (kept > 0), 2, applies)
     return (
       index,
       closes,
       (
-        jnp.where(held, window.mini_step, position),
+        jnp.where(closes, 0, window.mini_step + 1),
         window.gradient_step + (index == 2).astype(jnp.int32),
-        jnp.where(held, state.accumulated, jnp.where(closes, 0, kept)),
+        jnp.where(closes, 0, kept),
       ),
     )
 
@@ -637,7 +608,6 @@ class LossScaleOptimizer:
 
     def skip(params: Any, inner: Any, wrote: Any) -> Any:
       new = _write_record(state, params, self.axis_name)
-      new = tree_where(step.attempt.held, wrote, new)
       return output(params, None, False), inner, new, checks.norm
 
     def accumulate(params: Any, inner: Any, wrote: Any) -> Any:
