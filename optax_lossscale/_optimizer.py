@@ -478,15 +478,10 @@ class LossScaleOptimizer:
     def attempt(loss_scale: LossScale) -> tuple[Any, Any]:
       return value_and_grad(loss_scale, params, *args, **kwargs)
 
-    if max_retries and state.loss_scale.lowered() is None:
-      raise ValueError(
-        f"`{call}(max_retries=...)` must be 0 with a"
-        f" {type(state.loss_scale).__name__}, which cannot be lowered, got"
-        f" {max_retries}."
-      )
     found = None
     if max_retries:
       found = _retry.retry(
+        call,
         attempt,
         lambda ls, value, g: check(
           call, ls, g, loss_of(value), self.axis_name, self._mask(call, g)

@@ -28,6 +28,7 @@ class Attempt(NamedTuple):
 
 
 def retry(
+  call: str,
   attempt: Callable[[LossScale], tuple[Any, Any]],
   check: Callable[[LossScale, Any, Any], Any],
   loss_scale: LossScale,
@@ -42,7 +43,16 @@ def retry(
 
   Returns:
     The last attempt, for the step to apply.
+
+  Raises:
+    ValueError: if `loss_scale` cannot be lowered, naming `call`.
   """
+  if loss_scale.lowered() is None:
+    raise ValueError(
+      f"`{call}(max_retries=...)` must be 0 with a"
+      f" {type(loss_scale).__name__}, which cannot be lowered, got"
+      f" {max_retries}."
+    )
   # One trace of the user's function: the loop replays it, and the carry's
   # shapes come from the replay, not a second trace.
   converted, consts = jax.closure_convert(attempt, loss_scale)
