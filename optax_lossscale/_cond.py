@@ -27,11 +27,10 @@ def hoist(
   (`jax.closure_convert` keeps integer ones closed over).
   """
   closed, shapes = jax.make_jaxpr(fun, return_shape=True)(*operands)
-  out_tree = jax.tree.structure(shapes)
 
   def replay(consts: Any, operands: Any) -> Any:
     flat = jax.core.eval_jaxpr(closed.jaxpr, consts, *jax.tree.leaves(operands))
-    return jax.tree.unflatten(out_tree, flat)
+    return jax.tree.unflatten(jax.tree.structure(shapes), flat)
 
   return replay, list(closed.consts), shapes
 
@@ -71,18 +70,13 @@ def switch(
 
   run = jax.custom_batching.custom_vmap(plain)
   run.def_vmap(functools.partial(_batched, plain, funs))
-
-  @jax.custom_jvp
-  def differentiable(index: Any, consts: Any, operands: Any) -> Any:
-    return run(index, consts, operands)
+  differentiable = jax.custom_jvp(run)
 
   @differentiable.defjvp
   def differentiable_jvp(primals: Any, tangents: Any) -> Any:
     # custom_vmap has no reverse-mode rule: differentiate the plain one.
-    index, consts, operands = primals
-    return jax.jvp(
-      lambda c, o: plain(index, c, o), (consts, operands), tangents[1:]
-    )
+    plain_at = functools.partial(plain, primals[0])
+    return jax.jvp(plain_at, primals[1:], tangents[1:])
 
   return differentiable(index, list(consts), operands)
 
@@ -130,13 +124,9 @@ def _select(index: jax.Array, cases: Sequence[jax.Array]) -> Any:
   `lax.select_n` requires.
   """
   index = jnp.clip(index, 0, len(cases) - 1).astype(jnp.int32)
-  like = cases[0]
-  sharding = jax.typeof(like).sharding
-  mesh = getattr(sharding, "mesh", None)
-  if mesh is None or mesh.empty:
-    which = lax.broadcast_in_dim(index, like.shape, (0,))
-  else:
-    spec = tuple(sharding.spec) + (None,) * like.ndim
-    index = jax.sharding.reshard(index, NamedSharding(mesh, P(spec[0])))
-    which = lax.broadcast_in_dim(index, like.shape, (0,), out_sharding=sharding)
+  shape, sharding = cases[0].shape, jax.typeof(cases[0]).sharding
+  if not sharding.mesh.empty:  # the index split as the members are
+    first = P(*sharding.spec[:1])
+    index = jax.sharding.reshard(index, NamedSharding(sharding.mesh, first))
+  which = lax.broadcast_in_dim(index, shape, (0,), out_sharding=sharding)
   return lax.select_n(which, *cases)

@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import AxisType
 
 AxisName = Hashable | Sequence[Hashable] | None
 
@@ -41,26 +40,19 @@ def _whole(x: jax.Array) -> bool:
   `shard_map` (Manual axes) every block is whole.
   """
   mesh: Any = getattr(jax.typeof(x).sharding, "mesh", None)
-  types = (
-    () if mesh is None else zip(mesh.axis_names, mesh.axis_types, strict=True)
-  )
-  auto = [mesh.shape[n] for n, t in types if t == AxisType.Auto]
-  return max(auto, default=1) == 1 and not explicit_axes([x])
+  auto = () if mesh is None else mesh.auto_axes
+  return all(mesh.shape[n] == 1 for n in auto) and not explicit_axes([x])
 
 
 def _stacks(indices: list[int], sizes: list[int]) -> list[list[int]]:
   """Small leaves of one dtype, in order of size, cut into stacks."""
   stacks: list[list[int]] = []
-  for i in sorted(indices, key=lambda i: sizes[i]):
-    first = sizes[stacks[-1][0]] if stacks else 0
-    if (
-      stacks
-      and len(stacks[-1]) < _STACK
-      and sizes[i] <= _PADDING * max(first, 1)
-    ):
-      stacks[-1].append(i)
-    else:
-      stacks.append([i])
+  for i in sorted(indices, key=sizes.__getitem__):
+    # A leaf over the limit (the first: no stack yet) or a full stack start one.
+    limit = _PADDING * max(sizes[stacks[-1][0]], 1) if stacks else -1
+    if sizes[i] > limit or len(stacks[-1]) == _STACK:
+      stacks.append([])
+    stacks[-1].append(i)
   return stacks
 
 
@@ -113,18 +105,6 @@ def pieces(
   return out
 
 
-def _read(piece: Piece, unscale: Any) -> jax.Array:
-  return unscale(piece.array) if piece.unscale else piece.array
-
-
-def _axis_names(axis_name: AxisName) -> frozenset[Any]:
-  if axis_name is None:
-    return frozenset()
-  return frozenset(
-    axis_name if isinstance(axis_name, (tuple, list)) else [axis_name]
-  )
-
-
 def squares(
   read: Sequence[Piece], axis_name: AxisName
 ) -> tuple[jax.Array, jax.Array]:
@@ -137,16 +117,15 @@ def squares(
   differ) are summed across those axes: only scalars cross devices, and
   replicas count once.
   """
-  names = _axis_names(axis_name)
+  names = axis_name if isinstance(axis_name, (tuple, list)) else [axis_name]
   by_axes: dict[Any, list[jax.Array]] = {}
   for piece in read:
     x = piece.array
     parts = (jnp.real(x), jnp.imag(x)) if jnp.iscomplexobj(x) else (x,)
     wide = [p.astype(jnp.float32) if p.dtype.itemsize < 4 else p for p in parts]
     sums = [jnp.sum(jnp.square(p)).astype(jnp.float32) for p in wide]
-    total = sums[0] if len(sums) == 1 else sums[0] + sums[1]
-    key = (varying_axes(x) & names, piece.trained)
-    by_axes.setdefault(key, []).append(total)
+    key = (varying_axes(x) & frozenset(names), piece.trained)
+    by_axes.setdefault(key, []).append(sum(sums[1:], sums[0]))
   out = [jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)]
   for (axes, trained), sums in by_axes.items():
     total = sum(sums[1:], sums[0])
@@ -166,11 +145,10 @@ def flags(read: Sequence[Piece], n: int, unscale: Any = None) -> jax.Array:
   combines replicas.
   """
   found, order = [], []
-  for piece in read:
-    finite = jnp.isfinite(_read(piece, unscale))
-    axes = 1 if piece.rows else None
-    found.append(jnp.all(finite, axis=axes).reshape(len(piece.leaves)))
-    order.extend(piece.leaves)
+  for p in read:
+    finite = jnp.isfinite(unscale(p.array) if p.unscale else p.array)
+    found.append(jnp.all(finite, axis=1 if p.rows else None).reshape(-1))
+    order.extend(p.leaves)
   others = sorted(set(range(n)) - set(order))
   if others:
     found.append(jnp.ones((len(others),), jnp.bool_))
@@ -251,15 +229,10 @@ def varying_axes(x: Any) -> frozenset[Any]:
 
 def explicit_axes(leaves: Sequence[Any]) -> frozenset[Any]:
   """The Explicit mesh axes that split the leaves, in their types."""
-  axes = set()
+  axes: set[Any] = set()
   for x in leaves:
-    sharding = getattr(jax.typeof(x), "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
-    if sharding is None or mesh is None or mesh.empty:
-      continue
-    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
-    for entry in sharding.spec:
-      for name in entry if isinstance(entry, tuple) else (entry,):
-        if name is not None and types[name] == AxisType.Explicit:
-          axes.add(name)
+    sharding: Any = getattr(jax.typeof(x), "sharding", None)
+    if getattr(sharding, "mesh", None) is not None:
+      split = jax.tree.leaves(tuple(sharding.spec))  # None is no leaf
+      axes.update(set(split) & set(sharding.mesh.explicit_axes))
   return frozenset(axes)
