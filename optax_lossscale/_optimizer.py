@@ -277,13 +277,13 @@ class LossScaleOptimizer:
     check_loss_scale(call, loss_scale)
     self.inner = optax.with_extra_args_support(inner)
     self.loss_scale = loss_scale
-    self.max_norm = max_norm
     if max_norm is not None:
-      self.max_norm = _validation.scalar(call, "max_norm", max_norm)
-      if not self.max_norm > 0:
+      max_norm = _validation.scalar(call, "max_norm", max_norm)
+      if not max_norm > 0:
         raise ValueError(
           f"`{call}(max_norm=...)` must be positive, got {max_norm}."
         )
+    self.max_norm = max_norm
     self.skip_nonfinite = _validation.boolean(
       call, "skip_nonfinite", skip_nonfinite
     )
@@ -527,7 +527,13 @@ class LossScaleOptimizer:
       checks = check(call, state.loss_scale, grads, value, self.axis_name, mask)
       attempt = _retry.Attempt(value, grads, state.loss_scale, checks, 0)
     step = _Step(state, params, extra_args, fused, mask, attempt)
-    loss_scale, should_apply = self._decide(state, attempt)
+    checks, retries = attempt.checks, attempt.retries
+    skip = self.skip_nonfinite
+    loss_scale, should_apply = decide(attempt.loss_scale, checks, skip)
+    if not isinstance(retries, int):  # the scale moves as for one overflow
+      first = checks.grads_finite & (retries == 0)
+      first_checks = checks._replace(grads_finite=first)
+      loss_scale = decide(state.loss_scale, first_checks, skip)[0]
     index, closes, counters = self._schedule(state, should_apply)
     # The skip stays branch 0: XLA's conditional passes donated buffers
     # through it uncopied (jax#39449; other orders copy each:
@@ -540,7 +546,7 @@ class LossScaleOptimizer:
     )
     # A kept micro-batch that leaves its window open holds the scale (unless
     # it was recomputed: that is an overflow).
-    hold = should_apply & ~closes & (attempt.retries == 0)
+    hold = should_apply & ~closes & (retries == 0)
     loss_scale = tree_where(hold, state.loss_scale, loss_scale)
     new = _next_state(state, loss_scale, should_apply, attempt)
     if counters is not None:
@@ -550,18 +556,6 @@ class LossScaleOptimizer:
       inner_state=inner, last_nonfinite_write=wrote, grad_norm=norm
     )
     return out, new
-
-  def _decide(
-    self, state: LossScaleOptimizerState, attempt: _retry.Attempt
-  ) -> tuple[LossScale, jax.Array]:
-    """`decide` for the attempt applied; the scale moves as the first
-    attempt's verdict says: a recomputed batch is one overflowed step."""
-    checks, retries = attempt.checks, attempt.retries
-    new, should_apply = decide(attempt.loss_scale, checks, self.skip_nonfinite)
-    if isinstance(retries, int):  # no retry loop: one verdict, one decision
-      return new, should_apply
-    first = checks._replace(grads_finite=checks.grads_finite & (retries == 0))
-    return decide(state.loss_scale, first, self.skip_nonfinite)[0], should_apply
 
   def _schedule(
     self, state: LossScaleOptimizerState, should_apply: jax.Array
