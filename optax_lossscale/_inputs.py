@@ -1,5 +1,4 @@
-"""The checks of a step's inputs, which name what is wrong, and the names of
-the parameters' leaves."""
+"""The checks of a step's inputs, naming what is wrong, and the leaves' names."""
 
 from __future__ import annotations
 
