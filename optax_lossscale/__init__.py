@@ -65,10 +65,9 @@ def __getattr__(name: str) -> _Any:
   """0.1.0's names that another route replaces: they warn, and still work."""
   if name not in _deprecated.REPLACEMENTS:
     raise AttributeError(f"module 'optax_lossscale' has no attribute {name!r}")
-  _warnings.warn(
+  message = (
     f"`optax_lossscale.{name}` is deprecated and will be removed after 0.3;"
-    f" use {_deprecated.REPLACEMENTS[name]}.",
-    DeprecationWarning,
-    stacklevel=2,
+    f" use {_deprecated.REPLACEMENTS[name]}."
   )
+  _warnings.warn(message, DeprecationWarning, stacklevel=2)
   return getattr(_deprecated, name)

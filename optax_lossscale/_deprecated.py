@@ -34,9 +34,8 @@ def loss_scale_optimizer(
   inner: optax.GradientTransformation, loss_scale: LossScale, **kwargs: Any
 ) -> optax.GradientTransformationExtraArgs:
   """`LossScaleOptimizer(inner, loss_scale, ...).gradient_transformation()`."""
-  return LossScaleOptimizer(
-    inner, loss_scale, **kwargs
-  ).gradient_transformation()
+  tx = LossScaleOptimizer(inner, loss_scale, **kwargs)
+  return tx.gradient_transformation()
 
 
 def apply_gradients(

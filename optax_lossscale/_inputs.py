@@ -6,9 +6,9 @@ import collections
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.tree_util import keystr, tree_leaves_with_path
 
 from optax_lossscale import _numerics, _validation
 from optax_lossscale._loss_scale import LossScale
@@ -24,19 +24,17 @@ def _in_overwrite_collection(path: tuple[Any, ...]) -> bool:
   return bool(path) and getattr(path[0], "key", None) == _OVERWRITE
 
 
+def _is_variable(x: Any) -> bool:
+  """Whether `x` is an NNX variable (without importing flax)."""
+  names = {f"{c.__module__}.{c.__name__}" for c in type(x).__mro__}
+  return "flax.nnx.variablelib.Variable" in names
+
+
 def leaf_names(tree: Any) -> list[str]:
   """The names of `tree`'s leaves in reports: their key paths, an NNX
   variable's being the variable's (without `.value`)."""
-  is_variable = lambda x: any(  # noqa: E731
-    f"{c.__module__}.{c.__name__}" == "flax.nnx.variablelib.Variable"
-    for c in type(x).__mro__
-  )
-  flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_variable)[0]
-  return [
-    jax.tree_util.keystr(path) or "<root>"
-    for path, node in flat
-    for _ in jax.tree.leaves(node)
-  ]
+  flat = tree_leaves_with_path(tree, is_leaf=_is_variable)
+  return [keystr(p) or "<root>" for p, x in flat for _ in jax.tree.leaves(x)]
 
 
 def like_grads(params: Any) -> Any:
@@ -85,24 +83,21 @@ def check_structure(call: str, grads: Any, params: Any) -> None:
   if params is None or grads is None:
     return
   is_none = lambda x: x is None  # noqa: E731
-  pairs = [
-    jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_none)
-    for tree in (grads, params)
-  ]
-  keys = [[jax.tree_util.keystr(k) for k, _ in pair] for pair in pairs]
+  pairs = [tree_leaves_with_path(t, is_leaf=is_none) for t in (grads, params)]
+  keys = [[keystr(k) for k, _ in pair] for pair in pairs]
   if keys[0] != keys[1]:
     odd = sorted(set(keys[0]) ^ set(keys[1]))[:3] or "the tree types"
     raise ValueError(
       f"`{call}`: the gradients' and the parameters' structures differ"
       f" (at {odd})."
     )
-  for (path, g), (_, p) in zip(*pairs, strict=True):
+  for name, (_, g), (_, p) in zip(keys[0], *pairs, strict=True):
     if g is None and p is None:  # Equinox's gradients of non-parameters
       continue
     if g is None:
       problem = "is None, its parameter not"
-    elif jnp.shape(g) != jnp.shape(p):
-      problem = f"has shape {jnp.shape(g)}, its parameter {jnp.shape(p)}"
+    elif np.shape(g) != np.shape(p):
+      problem = f"has shape {np.shape(g)}, its parameter {np.shape(p)}"
     elif _numerics.varying_axes(g) - _numerics.varying_axes(p):
       problem = (
         "varies across devices but its parameter does not, so an applied"
@@ -111,24 +106,7 @@ def check_structure(call: str, grads: Any, params: Any) -> None:
       )
     else:
       continue
-    name = jax.tree_util.keystr(path) or "<root>"
-    raise ValueError(f"`{call}`: the gradient at {name} {problem}.")
-
-
-def _mismatch(call: str, paths: list[Any], slots: int) -> str:
-  """The parameters' subtrees, when their leaves are not `init`'s."""
-  counts = collections.Counter(
-    jax.tree_util.keystr(path[:1]) for path, _ in paths
-  )
-  fits = [k for k, n in counts.items() if n == slots]
-  others = ", ".join(k for k in counts if fits and k != fits[0])
-  hint = f"; pass {fits[0]} alone and keep {others} apart" if others else ""
-  return (
-    f"`{call}`: the parameters have {len(paths)} leaves"
-    f" ({', '.join(f'{k}: {n}' for k, n in counts.items())}), `init` had"
-    f" {slots}{hint} (flax's `TrainState` trains `variables['params']` and"
-    " carries the other collections)."
-  )
+    raise ValueError(f"`{call}`: the gradient at {name or '<root>'} {problem}.")
 
 
 def check_inputs(
@@ -148,6 +126,17 @@ def check_inputs(
   check_dtypes(call, state, dtypes)
   check_structure(call, grads, params)
   slots = state.last_skip.nonfinite.shape[-1]
-  paths = jax.tree_util.tree_leaves_with_path(like_grads(params))
-  if params is not None and slots and len(paths) != slots:
-    raise ValueError(_mismatch(call, paths, slots))
+  paths = tree_leaves_with_path(like_grads(params))
+  if params is None or not slots or len(paths) == slots:
+    return
+  # Not `init`'s leaves: the message names the parameters' subtrees.
+  counts = collections.Counter(keystr(path[:1]) for path, _ in paths)
+  fits = [k for k, n in counts.items() if n == slots]
+  others = ", ".join(k for k in counts if fits and k != fits[0])
+  hint = f"; pass {fits[0]} alone and keep {others} apart" if others else ""
+  raise ValueError(
+    f"`{call}`: the parameters have {len(paths)} leaves"
+    f" ({', '.join(f'{k}: {n}' for k, n in counts.items())}), `init` had"
+    f" {slots}{hint} (flax's `TrainState` trains `variables['params']` and"
+    " carries the other collections)."
+  )

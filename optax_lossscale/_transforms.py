@@ -101,9 +101,8 @@ def unscale_gradients(
     _validation.state(call, state, UnscaleGradientsState)
     check_dtypes(call, state, jax.eval_shape(init_fn, None))
     check_structure(call, updates, params)
-    checks = check(
-      call, state.loss_scale, updates, extra_args.get("value"), axis_name
-    )
+    value = extra_args.get("value")
+    checks = check(call, state.loss_scale, updates, value, axis_name)
     new, should_apply = decide(state.loss_scale, checks, skip_nonfinite=False)
     unscaled = state.loss_scale.unscale(updates)
     return unscaled, UnscaleGradientsState(new, should_apply)

@@ -76,11 +76,9 @@ def scaled_value_and_grad(
           " return a scalar loss, or return `(loss, aux)` and pass `has_aux=True`."
         )
       loss, aux = out if has_aux else (out, None)
-      return loss_scale.scale(loss), (loss, aux)
+      return loss_scale.scale(loss), ((loss, aux) if has_aux else loss)
 
-    (_, (loss, aux)), grads = jax.value_and_grad(
-      scaled, argnums=argnums, has_aux=True
-    )(*args, **kwargs)
-    return ((loss, aux) if has_aux else loss), grads
+    grads, value = jax.grad(scaled, argnums, has_aux=True)(*args, **kwargs)
+    return value, grads
 
   return value_and_scaled_grad
