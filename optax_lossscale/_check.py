@@ -9,17 +9,13 @@ from typing import Any, TypeVar
 import jax
 import numpy as np
 
-from optax_lossscale import _validation
+from optax_lossscale import _states, _validation
 from optax_lossscale._loss_scale import (
   STATE_DTYPES,
   DynamicLossScale,
   LossScale,
 )
-from optax_lossscale._states import (
-  LossScaleOptimizerState,
-  SkipRecord,
-  WriteRecord,
-)
+from optax_lossscale._states import LossScaleOptimizerState
 
 __all__ = ["check_state"]
 
@@ -111,9 +107,9 @@ def _check_optimizer_state(state: LossScaleOptimizerState, path: str) -> None:
       f"`{path}.consecutive_skipped_steps` must be at most `skipped_steps`,"
       f" got {consecutive.tolist()} > {skipped.tolist()}."
     )
-  records = {
-    "last_skip": jax.eval_shape(SkipRecord.empty, np.float32(1), []),
-    "last_nonfinite_write": jax.eval_shape(lambda: WriteRecord.empty(0)),
+  records: dict[str, Any] = {  # of no leaf: their fields' dtypes and ranks
+    "last_skip": _states.SkipRecord.empty(jax.numpy.float32(1), []),
+    "last_nonfinite_write": _states.WriteRecord.empty(0),
   }
   for field, empty in records.items():
     record = getattr(state, field)

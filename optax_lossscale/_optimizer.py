@@ -12,14 +12,7 @@ import jax.numpy as jnp
 import optax
 from optax.tree import where as tree_where
 
-from optax_lossscale import _cond, _numerics, _retry, _validation
-from optax_lossscale._inputs import (
-  check_inputs,
-  check_loss_scale,
-  leaf_names,
-  like_grads,
-  overwrite_mask,
-)
+from optax_lossscale import _cond, _inputs, _numerics, _retry, _validation
 from optax_lossscale._loss_scale import LossScale, map_floats
 from optax_lossscale._read import Checks, check, masked
 from optax_lossscale._states import (
@@ -86,7 +79,8 @@ def _write_record(
   inner state is not read: on XLA:CPU, each leaf checked needs a byte per
   element of temporary memory, which every step allocates.
   """
-  last, leaves = state.last_nonfinite_write, jax.tree.leaves(like_grads(params))
+  last = state.last_nonfinite_write
+  leaves = jax.tree.leaves(_inputs.like_grads(params))
   if len(leaves) != last.nonfinite.shape[-1]:  # `update` without parameters
     return last
   finite = _numerics.agree(_numerics.finite_flags(leaves), axis_name)
@@ -274,7 +268,7 @@ class LossScaleOptimizer:
         f"`{call}(inner=...)` must be an Optax transformation, got"
         f" {_validation.describe(inner)}."
       )
-    check_loss_scale(call, loss_scale)
+    _inputs.check_loss_scale(call, loss_scale)
     self.inner = optax.with_extra_args_support(inner)
     self.loss_scale = loss_scale
     if max_norm is not None:
@@ -303,9 +297,9 @@ class LossScaleOptimizer:
     Returns:
       A `LossScaleOptimizerState` of fresh arrays (safe to donate).
     """
-    names = leaf_names(like_grads(params))
+    names = _inputs.leaf_names(_inputs.like_grads(params))
     mask = self._mask("LossScaleOptimizer.init", params)
-    if params is not like_grads(params) and any(jax.tree.leaves(mask)):
+    if params is not _inputs.like_grads(params) and any(jax.tree.leaves(mask)):
       raise ValueError(
         "`LossScaleOptimizer.init`: overwritten (FP8) leaves are not"
         " supported in `optax.lookahead`'s parameters."
@@ -335,7 +329,7 @@ class LossScaleOptimizer:
     return LossScaleOptimizerState._make(own)
 
   def _mask(self, call: str, tree: Any) -> Any:
-    return overwrite_mask(call, self.overwrite_with_gradient, tree)
+    return _inputs.overwrite_mask(call, self.overwrite_with_gradient, tree)
 
   def update(
     self,
@@ -463,7 +457,7 @@ class LossScaleOptimizer:
         f"`{call}(fun, params, state)`: the first argument must be the loss"
         f" function, got {_validation.describe(fun)}."
       )
-    if params is not like_grads(params):
+    if params is not _inputs.like_grads(params):
       raise TypeError(
         f"`{call}` differentiates `fun` in all of `params`, and"
         " `optax.lookahead`'s gradients are of `params.fast`: call"
@@ -471,7 +465,7 @@ class LossScaleOptimizer:
         " `apply_gradients(grads, state, params)`."
       )
     _validation.integer(call, "max_retries", max_retries, minimum=0)
-    check_inputs(call, None, state, params, self._dtypes)
+    _inputs.check_inputs(call, None, state, params, self._dtypes)
     value_and_grad = scaled_value_and_grad(fun, has_aux=has_aux)
     loss_of = (lambda v: v[0]) if has_aux else (lambda v: v)
 
@@ -518,7 +512,7 @@ class LossScaleOptimizer:
 
     `attempt` is the one `minimize`'s retries applied.
     """
-    check_inputs(call, grads, state, params, self._dtypes)
+    _inputs.check_inputs(call, grads, state, params, self._dtypes)
     mask = self._mask(call, grads)
     if params is None and any(jax.tree.leaves(mask)):
       raise ValueError(f"`{call}(params=None)`: overwritten leaves need them.")
@@ -572,15 +566,9 @@ class LossScaleOptimizer:
     closes = window.mini_step + 1 >= self._every_k(window.gradient_step)
     kept = state.accumulated + applies
     index = jnp.where(closes & (kept > 0), 2, applies)
-    return (
-      index,
-      closes,
-      (
-        jnp.where(closes, 0, window.mini_step + 1),
-        window.gradient_step + (index == 2).astype(jnp.int32),
-        jnp.where(closes, 0, kept),
-      ),
-    )
+    mini_step = jnp.where(closes, 0, window.mini_step + 1)
+    gradient_step = window.gradient_step + (index == 2).astype(jnp.int32)
+    return index, closes, (mini_step, gradient_step, jnp.where(closes, 0, kept))
 
   def _branches(self, step: _Step, kept: jax.Array) -> list[Callable[..., Any]]:
     """The branches: skip, (accumulate,) step. Each returns the output, the

@@ -9,12 +9,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from optax_lossscale import _validation
-from optax_lossscale._states import (
-  LossScaleOptimizerState,
-  find_one,
-  first_copy,
-)
+from optax_lossscale import _states, _validation
 
 __all__ = ["ConsecutiveSkipsError", "SkipMonitor", "SkipReport", "skip_reports"]
 
@@ -96,12 +91,12 @@ def _read(call: str, opt_state: Any) -> tuple[Any, bool]:
   """The one `LossScaleOptimizerState` in `opt_state`, read on the host: its
   leaves one row per member, its loss scale the scale, no inner state; and
   whether it is stacked over members."""
-  types = (LossScaleOptimizerState,)
-  state = find_one(f"`{call}(opt_state)`", opt_state, types)
-  skipped = np.asarray(first_copy(state.skipped_steps))
+  types = (_states.LossScaleOptimizerState,)
+  state = _states.find_one(f"`{call}(opt_state)`", opt_state, types)
+  skipped = np.asarray(_states.first_copy(state.skipped_steps))
 
   def rows(x: Any) -> np.ndarray:
-    x = np.asarray(first_copy(x))  # a fixed scale is shared: repeated
+    x = np.asarray(_states.first_copy(x))  # a fixed scale is shared: repeated
     return np.resize(x, (skipped.size, *x.shape[skipped.ndim :]))
 
   host = state._replace(inner_state=None, loss_scale=state.loss_scale())
