@@ -264,9 +264,11 @@ class LossScaleOptimizer:
     self._every_k, self._mean = _accumulation(call, self._multi)
     inner = inner if self._multi is None else self._multi.inner_opt
     if not isinstance(inner, optax.GradientTransformation):
+      swapped = isinstance(inner, LossScale)
+      order = "; the arguments are (inner, loss_scale)" if swapped else ""
       raise TypeError(
         f"`{call}(inner=...)` must be an Optax transformation, got"
-        f" {_validation.describe(inner)}."
+        f" {_validation.describe(inner)}{order}."
       )
     _inputs.check_loss_scale(call, loss_scale)
     self.inner = optax.with_extra_args_support(inner)

@@ -268,8 +268,8 @@ def failure_modes(
 ) -> dict[str, Any]:
   """Trains in float16 with a NaN-loss step and an overflowing step injected.
 
-  The NaN inputs come at step `steps // 3`, the overflowing batch at
-  `2 * steps // 3` (1-based); a `SkipMonitor` reads the state every
+  The NaN inputs come at step `steps // 3 - 1`, the overflowing batch at
+  `2 * steps // 3 - 1` (numbered from 0, as skip reports are); a `SkipMonitor` reads the state every
   `LOG_EVERY` steps and collects what it logs.
   """
   x_train, y_train = jnp.asarray(data[0]), jnp.asarray(data[1])
@@ -281,11 +281,15 @@ def failure_modes(
   )
   params = _init(jax.random.PRNGKey(args.seed))
   state = tx.init(params)
-  nan_step, overflow_step = max(args.steps // 3, 1), max(2 * args.steps // 3, 2)
+  # Numbered from 0, as the skip reports number steps.
+  nan_step, overflow_step = (
+    max(args.steps // 3, 1) - 1,
+    max(2 * args.steps // 3, 2) - 1,
+  )
   nan = np.zeros(args.steps, bool)
   weight = np.ones(args.steps, np.float32)
-  nan[nan_step - 1] = True
-  weight[overflow_step - 1] = OVERFLOW_WEIGHT
+  nan[nan_step] = True
+  weight[overflow_step] = OVERFLOW_WEIGHT
   run_chunk = _make_fault_chunk(tx)
   rng = np.random.RandomState(args.seed + 1)
   chunks = []
@@ -322,12 +326,12 @@ def _describe_faults(run: dict[str, Any]) -> list[str]:
   ]
   lines += [f"  log: {r}" for r in run["reports"]]
   for what, step in run["injected"].items():
-    before, after = h["scale_before"][step - 1], h["loss_scale"][step - 1]
+    before, after = h["scale_before"][step], h["loss_scale"][step]
     verdict = "unchanged" if after == before else "lowered"
     if after == before and what == "overflowing batch":
       verdict += ": hysteresis spent its budget instead"
     lines.append(
-      f"  step {step} ({what}, loss {h['loss'][step - 1]:.4g}): loss scale"
+      f"  step {step} ({what}, loss {h['loss'][step]:.4g}): loss scale"
       f" {before:g} -> {after:g} ({verdict})"
     )
   lines.append(

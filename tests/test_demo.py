@@ -44,19 +44,21 @@ def test_demo_runs_and_writes_a_png(tmp_path, capsys):
 
 
 def _check_failure_modes(printed):
-  # Two runs (hysteresis 1 and 2), each with NaN inputs at step 5 and an
-  # overflowing batch at step 10 of 15; a SkipMonitor logs each skip.
+  # Two runs (hysteresis 1 and 2), each with NaN inputs at step 4 and an
+  # overflowing batch at step 9 of steps 0 to 14, numbered as the skip
+  # reports number them; a SkipMonitor logs each skip.
+  assert printed.count("log: skipped step 4 ") == 2
   assert printed.count("log: skipped step") == 4
   assert printed.count("loss NON-FINITE") == 2
   nan_steps = re.findall(
-    r"step 5 \(NaN inputs, loss nan\): loss scale (\S+) -> (\S+) \((\w+)",
+    r"step 4 \(NaN inputs, loss nan\): loss scale (\S+) -> (\S+) \((\w+)",
     printed,
   )
   assert len(nan_steps) == 2
   for before, after, verdict in nan_steps:  # a NaN loss leaves the scale
     assert before == after and verdict == "unchanged"
   overflow = re.findall(
-    r"step 10 \(overflowing batch, loss (\S+)\): loss scale (\S+) -> (\S+)",
+    r"step 9 \(overflowing batch, loss (\S+)\): loss scale (\S+) -> (\S+)",
     printed,
   )
   assert len(overflow) == 2

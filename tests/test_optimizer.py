@@ -1189,6 +1189,8 @@ def test_swapped_arguments_are_named():
       getattr(TX, entry)(params, params, state)
   with pytest.raises(TypeError, match=r"call it: `DynamicLossScale\(\)`"):
     ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale)
+  with pytest.raises(TypeError, match=r"arguments are \(inner, loss_scale\)"):
+    ols.LossScaleOptimizer(ols.DynamicLossScale(), optax.sgd(0.1))
 
 
 def test_a_leaf_named_value_outside_nnx_keeps_its_name_and_its_checks():
