@@ -107,9 +107,11 @@ def _check_optimizer_state(state: LossScaleOptimizerState, path: str) -> None:
       f"`{path}.consecutive_skipped_steps` must be at most `skipped_steps`,"
       f" got {consecutive.tolist()} > {skipped.tolist()}."
     )
-  records: dict[str, Any] = {  # of no leaf: their fields' dtypes and ranks
-    "last_skip": _states.SkipRecord.empty(jax.numpy.float32(1), []),
-    "last_nonfinite_write": _states.WriteRecord.empty(0),
+  records = {  # abstract: no transfer to a device (`jax.transfer_guard`)
+    "last_skip": jax.eval_shape(_states.SkipRecord.empty, np.float32(1), []),
+    "last_nonfinite_write": jax.eval_shape(
+      lambda: _states.WriteRecord.empty(0)
+    ),
   }
   for field, empty in records.items():
     record = getattr(state, field)

@@ -100,9 +100,10 @@ def check_structure(call: str, grads: Any, params: Any) -> None:
       problem = f"has shape {np.shape(g)}, its parameter {np.shape(p)}"
     elif _numerics.varying_axes(g) - _numerics.varying_axes(p):
       problem = (
-        "varies across devices but its parameter does not, so an applied"
-        " and a skipped step would differ in type. Average the gradients"
-        " first: `grads = jax.lax.pmean(grads, axis_name)`"
+        "varies across devices inside `shard_map` but its parameter does"
+        " not, so an applied and a skipped step would differ in type."
+        " Average the gradients first: `grads = jax.lax.pmean(grads,"
+        " axis_name)`"
       )
     else:
       continue

@@ -76,5 +76,4 @@ def retry(
   start = jax.eval_shape(run, loss_scale, jnp.int32(-1))
   start = optax.tree.zeros_like(start)._replace(retries=jnp.int32(-1))
   carry = (jnp.array(True), loss_scale, start)
-  last: Attempt = lax.while_loop(lambda carry: carry[0], body, carry)[2]
-  return last
+  return lax.while_loop(lambda carry: carry[0], body, carry)[2]  # type: ignore[no-any-return]

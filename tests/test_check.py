@@ -113,6 +113,14 @@ def test_check_state_finds_the_loss_scale_and_names_its_path(container):
   assert str(error.value) == f"`{path}.current_loss_scale` {NAN_SCALE}"
 
 
+def test_check_state_moves_nothing_to_a_device():
+  # It reads the state on the host: under a transfer guard it still runs.
+  tx = _optimizer()
+  state = jax.device_get(tx.init({"w": jnp.zeros(2)}))
+  with jax.transfer_guard("disallow"):
+    assert ols.check_state(state) is state
+
+
 def test_check_state_reads_through_a_flax_nnx_optimizer():
   class Model(nnx.Module):
     def __init__(self, rngs):

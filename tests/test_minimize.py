@@ -317,6 +317,15 @@ def test_the_retry_loop_carries_the_attempt_and_the_update_runs_once_after_it():
     for retries in (0, 4)
   }
   assert temp[4] - temp[0] < big["w"].nbytes / 4
+  # Under `vmap`, too, the loop carries the members' gradients, not their
+  # parameters and momenta: the update runs once, after it.
+  members = jax.tree.map(lambda x: jnp.stack([x] * 3), (big, state))
+  jaxpr = jax.make_jaxpr(
+    jax.vmap(lambda p, s: tx.minimize(loss, p, s, x, max_retries=4))
+  )(*members)
+  (loop,) = [e for e in jaxpr.jaxpr.eqns if e.primitive is lax.while_p]
+  shapes = [v.aval.shape for v in loop.outvars]
+  assert shapes.count((3, 256, 256)) == 1
 
 
 # --- errors ----------------------------------------------------------------------
