@@ -110,6 +110,24 @@ def check_structure(call: str, grads: Any, params: Any) -> None:
     raise ValueError(f"`{call}`: the gradient at {name or '<root>'} {problem}.")
 
 
+def check_minimize(call: str, fun: Any, params: Any) -> None:
+  """Raises a `TypeError` if `minimize` cannot differentiate `fun` in
+  `params`: `fun` is not callable (swapped arguments), or `params` are
+  `optax.lookahead`'s."""
+  if not callable(fun):
+    raise TypeError(
+      f"`{call}(fun, params, state)`: the first argument must be the loss"
+      f" function, got {_validation.describe(fun)}."
+    )
+  if params is not like_grads(params):
+    raise TypeError(
+      f"`{call}` differentiates `fun` in all of `params`, and"
+      " `optax.lookahead`'s gradients are of `params.fast`: call"
+      " `scaled_value_and_grad(fun)(state, params.fast)`, then"
+      " `apply_gradients(grads, state, params)`."
+    )
+
+
 def check_inputs(
   call: str, grads: Any, state: Any, params: Any, dtypes: Any
 ) -> None:

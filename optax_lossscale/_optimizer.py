@@ -95,8 +95,8 @@ def _next_state(
   should_apply: jax.Array,
   attempt: _retry.Attempt,
 ) -> LossScaleOptimizerState:
-  """The counters and the skip record after a step (of `attempt`); the
-  inner state and the write record come apart.
+  """The counters and the skip record after a step (of `attempt`, unless a
+  retry follows it); the inner state and the write record come apart.
 
   The record's scale is the step's; the attempt's says whether the scale
   reached its floor.
@@ -117,8 +117,9 @@ def _next_state(
     nonfinite=~checks.flags[:slots],
   )
   loss_failed = False if loss_finite is None else ~loss_finite
+  dropped = skipped & jnp.logical_not(attempt.held)
   return state._replace(
-    last_skip=tree_where(skipped, record, state.last_skip),
+    last_skip=tree_where(dropped, record, state.last_skip),
     loss_scale=loss_scale,
     should_apply=should_apply,
     skipped_steps=_count(state.skipped_steps, skipped),
@@ -454,41 +455,39 @@ class LossScaleOptimizer:
       8388608.0
     """
     call = "LossScaleOptimizer.minimize"
-    if not callable(fun):
-      raise TypeError(
-        f"`{call}(fun, params, state)`: the first argument must be the loss"
-        f" function, got {_validation.describe(fun)}."
-      )
-    if params is not _inputs.like_grads(params):
-      raise TypeError(
-        f"`{call}` differentiates `fun` in all of `params`, and"
-        " `optax.lookahead`'s gradients are of `params.fast`: call"
-        " `scaled_value_and_grad(fun)(state, params.fast)`, then"
-        " `apply_gradients(grads, state, params)`."
-      )
+    _inputs.check_minimize(call, fun, params)
     _validation.integer(call, "max_retries", max_retries, minimum=0)
     _inputs.check_inputs(call, None, state, params, self._dtypes)
     value_and_grad = scaled_value_and_grad(fun, has_aux=has_aux)
     loss_of = (lambda v: v[0]) if has_aux else (lambda v: v)
 
-    def attempt(loss_scale: LossScale) -> tuple[Any, Any]:
+    def attempt(loss_scale: LossScale, params: Any) -> tuple[Any, Any]:
       return value_and_grad(loss_scale, params, *args, **kwargs)
 
-    found = None
-    if max_retries:
-      found = _retry.retry(
-        call,
-        attempt,
-        lambda ls, value, g: check(
-          call, ls, g, loss_of(value), self.axis_name, self._mask(call, g)
-        ),
-        state.loss_scale,
-        max_retries,
+    if max_retries == 0:
+      value, grads = attempt(state.loss_scale, params)
+      params, state = self.apply_gradients(
+        grads, state, params, value=loss_of(value)
       )
-    value, grads = attempt(state.loss_scale) if found is None else found[:2]
-    extra_args = {"value": loss_of(value)}
-    params, state = self._step(
-      call, grads, state, params, extra_args, True, found
+      return value, params, state
+
+    def finish(found: _retry.Attempt, operand: Any) -> Any:
+      params, state = operand
+      extra_args = {"value": loss_of(found.value)}
+      return self._step(
+        call, found.grads, state, params, extra_args, True, found
+      )
+
+    value, (params, state) = _retry.retry(
+      call,
+      lambda ls, operand: attempt(ls, operand[0]),
+      lambda ls, value, g: check(
+        call, ls, g, loss_of(value), self.axis_name, self._mask(call, g)
+      ),
+      finish,
+      state.loss_scale,
+      max_retries,
+      (params, state),
     )
     return value, params, state
 
@@ -512,16 +511,21 @@ class LossScaleOptimizer:
   ) -> tuple[Any, LossScaleOptimizerState]:
     """Read, decide, one conditional around `inner`, and the new state.
 
-    `attempt` is the one `minimize`'s retries applied.
+    `attempt` is one of `minimize`'s attempts (None: `grads` are checked
+    here). An attempt that a retry follows (`held`) writes nothing; that is
+    folded into the one conditional (a second would make XLA copy what the
+    retry loop carries; carrying the gradients out of the loop instead took
+    1.5x the temporary memory on benchmarks/train_step.py's model).
     """
     _inputs.check_inputs(call, grads, state, params, self._dtypes)
     mask = self._mask(call, grads)
     if params is None and any(jax.tree.leaves(mask)):
       raise ValueError(f"`{call}(params=None)`: overwritten leaves need them.")
-    if attempt is None:
+    if attempt is None:  # `held` a Python bool: a constant array closed over
+      # by a branch fails `vmap` over Explicit-sharded members.
       value = extra_args.get("value")
       checks = check(call, state.loss_scale, grads, value, self.axis_name, mask)
-      attempt = _retry.Attempt(value, grads, state.loss_scale, checks, 0)
+      attempt = _retry.Attempt(value, grads, state.loss_scale, checks, 0, False)
     step = _Step(state, params, extra_args, fused, mask, attempt)
     checks, retries = attempt.checks, attempt.retries
     skip = self.skip_nonfinite
@@ -530,7 +534,7 @@ class LossScaleOptimizer:
       first = checks.grads_finite & (retries == 0)
       first_checks = checks._replace(grads_finite=first)
       loss_scale = decide(state.loss_scale, first_checks, skip)[0]
-    index, closes, counters = self._schedule(state, should_apply)
+    index, closes, counters = self._schedule(state, should_apply, attempt.held)
     # The skip stays branch 0: XLA's conditional passes donated buffers
     # through it uncopied (jax#39449; other orders copy each:
     # tests/test_accelerator_ready.py).
@@ -551,24 +555,28 @@ class LossScaleOptimizer:
     new = new._replace(
       inner_state=inner, last_nonfinite_write=wrote, grad_norm=norm
     )
+    if attempt.held is not False:  # a held attempt keeps scale and counters
+      new = tree_where(attempt.held, state._replace(inner_state=inner), new)
     return out, new
 
   def _schedule(
-    self, state: LossScaleOptimizerState, should_apply: jax.Array
+    self, state: LossScaleOptimizerState, should_apply: Any, held: Any
   ) -> tuple[jax.Array, jax.Array, tuple[jax.Array, ...] | None]:
     """The branch, whether a window closes, and the window's counters.
 
     Branch 0 skips; without accumulation 1 steps; with it 1 accumulates
     and 2 steps, at the window's last micro-batch if the window kept any.
     """
-    applies = should_apply.astype(jnp.int32)
+    applies = (should_apply & jnp.logical_not(held)).astype(jnp.int32)
     if self._every_k is None:
       return applies, jnp.array(True), None
-    window = state.inner_state
+    window, held = state.inner_state, jnp.asarray(held)
     closes = window.mini_step + 1 >= self._every_k(window.gradient_step)
     kept = state.accumulated + applies
-    index = jnp.where(closes & (kept > 0), 2, applies)
-    mini_step = jnp.where(closes, 0, window.mini_step + 1)
+    # A held attempt skips: the retry that follows it may close the window.
+    index = jnp.where(closes & (kept > 0) & ~held, 2, applies)
+    position = jnp.where(closes, 0, window.mini_step + 1)
+    mini_step = jnp.where(held, window.mini_step, position)
     gradient_step = window.gradient_step + (index == 2).astype(jnp.int32)
     return index, closes, (mini_step, gradient_step, jnp.where(closes, 0, kept))
 
@@ -587,6 +595,7 @@ class LossScaleOptimizer:
 
     def skip(params: Any, inner: Any, wrote: Any) -> Any:
       new = _write_record(state, params, self.axis_name)
+      new = tree_where(step.attempt.held, wrote, new)
       return output(params, None, False), inner, new, checks.norm
 
     def accumulate(params: Any, inner: Any, wrote: Any) -> Any:

@@ -14,10 +14,11 @@ from optax_lossscale._loss_scale import LossScale
 
 
 class Attempt(NamedTuple):
-  """The attempt a step applies.
+  """One attempt of the retry loop.
 
   `checks` is what the check found (`grads_finite`, `loss_finite`, agreed
-  across replicas); `retries` how many attempts came before it.
+  across replicas); `retries` how many attempts came before it; `held`
+  whether another attempt follows, so that this one must write nothing.
   """
 
   value: Any
@@ -25,24 +26,32 @@ class Attempt(NamedTuple):
   loss_scale: LossScale
   checks: Any
   retries: jax.Array | int
+  held: jax.Array | bool
 
 
 def retry(
   call: str,
-  attempt: Callable[[LossScale], tuple[Any, Any]],
+  attempt: Callable[[LossScale, Any], tuple[Any, Any]],
   check: Callable[[LossScale, Any, Any], Any],
+  finish: Callable[[Attempt, Any], Any],
   loss_scale: LossScale,
   max_retries: int,
-) -> Attempt:
+  operand: Any,
+) -> tuple[Any, Any]:
   """Runs `attempt` until its gradients are finite, lowering the scale.
 
-  `attempt(loss_scale)` returns `(value, grads)`. Another attempt follows
-  when the gradients are not finite, the loss is, fewer than `max_retries`
-  retries were made and `loss_scale.lowered()` is lower; the replicas agree
-  on it (`check` agrees), so collectives in `attempt` cannot deadlock.
+  `attempt(loss_scale, operand)` returns `(value, grads)`. Another attempt
+  follows when the gradients are not finite, the loss is, fewer than
+  `max_retries` retries were made and `loss_scale.lowered()` is lower; the
+  replicas agree on it (`check` agrees), so collectives in `attempt` cannot
+  deadlock. `finish(attempt, operand)` runs in every iteration and returns
+  the new operand (the parameters and state), unchanged when `held`: the
+  update runs in the last iteration, and the gradients are never carried.
+  Under `vmap` the step's `cond` is a select, so the update then runs, and
+  is discarded, in every attempt of every member.
 
   Returns:
-    The last attempt, for the step to apply.
+    `(value, new_operand)`: the last attempt's value and `finish`'s result.
 
   Raises:
     ValueError: if `loss_scale` cannot be lowered, naming `call`.
@@ -53,27 +62,24 @@ def retry(
       f" {type(loss_scale).__name__}, which cannot be lowered, got"
       f" {max_retries}."
     )
-  # One trace of the user's function: the loop replays it, and the carry's
-  # shapes come from the replay, not a second trace.
-  converted, consts = jax.closure_convert(attempt, loss_scale)
-
-  def run(ls: LossScale, retries: Any) -> Attempt:
-    value, grads = converted(ls, *consts)
-    return Attempt(value, grads, ls, check(ls, value, grads), retries)
+  # One trace of the user's function: the loop replays it, and the value's
+  # shapes for the loop's carry come from the replay, not a second trace.
+  converted, consts = jax.closure_convert(attempt, loss_scale, operand)
+  run = lambda ls, operand: converted(ls, operand, *consts)  # noqa: E731
 
   def body(carry: tuple[Any, ...]) -> tuple[Any, ...]:
-    _, ls, last = carry
-    found = run(ls, last.retries + 1)
-    lowered, checks = ls.lowered(), found.checks
-    again = (
-      checks.loss_finite
-      & ~checks.grads_finite
-      & (found.retries < max_retries)
-      & (lowered() < ls())
-    )
-    return again, optax.tree.where(again, lowered, ls), found
+    retries, _, ls, _, operand = carry
+    value, grads = run(ls, operand)
+    checks = check(ls, value, grads)
+    lowered = ls.lowered()
+    overflowed = checks.loss_finite & ~checks.grads_finite
+    again = overflowed & (retries < max_retries) & (lowered() < ls())
+    operand = finish(Attempt(value, grads, ls, checks, retries, again), operand)
+    ls = optax.tree.where(again, lowered, ls)
+    return retries + 1, again, ls, value, operand
 
-  start = jax.eval_shape(run, loss_scale, jnp.int32(-1))
-  start = optax.tree.zeros_like(start)._replace(retries=jnp.int32(-1))
-  carry = (jnp.array(True), loss_scale, start)
-  return lax.while_loop(lambda carry: carry[0], body, carry)[2]  # type: ignore[no-any-return]
+  value_like = jax.eval_shape(run, loss_scale, operand)[0]
+  placeholder = optax.tree.zeros_like(value_like)
+  start = (jnp.int32(0), jnp.array(True), loss_scale, placeholder, operand)
+  *_, value, operand = lax.while_loop(lambda carry: carry[1], body, start)
+  return value, operand

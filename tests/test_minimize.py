@@ -287,13 +287,12 @@ def test_vmap_members_retry_alone():
 # --- the retry loop's structure ---------------------------------------------------
 
 
-def test_the_retry_loop_carries_the_attempt_and_the_update_runs_once_after_it():
-  # The loop recomputes the loss and the gradients; the parameters and the
-  # optimizer state stay out of it, and the step after it updates them once
-  # (under `vmap` too, where a `cond` is a select). XLA writes each
-  # attempt's gradients into the loop's buffer: no second copy of them.
-  big = {"w": jnp.zeros((256, 256)), "b": jnp.zeros(256)}
-  x = jnp.ones((4, 256))
+def test_the_retry_loop_carries_parameters_and_state_never_the_gradients():
+  # The update runs in the loop's last iteration: the gradients stay
+  # temporaries of one iteration, and a step with retries needs no more
+  # memory than one without.
+  big = {"w": jnp.zeros((64, 256)), "b": jnp.zeros(256)}
+  x = jnp.ones((4, 64))
   loss = lambda p, x: jnp.sum((x @ p["w"] + p["b"][None]) ** 2)  # noqa: E731
   tx = ols.LossScaleOptimizer(
     optax.sgd(0.1, momentum=0.9), ols.DynamicLossScale()
@@ -303,8 +302,12 @@ def test_the_retry_loop_carries_the_attempt_and_the_update_runs_once_after_it():
     lambda p, s: tx.minimize(loss, p, s, x, max_retries=4)
   )(big, state)
   (loop,) = [e for e in jaxpr.jaxpr.eqns if e.primitive is lax.while_p]
-  shapes = [v.aval.shape for v in loop.outvars]
-  assert shapes.count((256, 256)) == 1  # the gradient, not the momentum
+  carried = len(loop.outvars)
+  # The attempt count, the "again" flag, the loss scale, the loss, and the
+  # parameters and state.
+  assert carried == 2 + len(jax.tree.leaves(state.loss_scale)) + 1 + len(
+    jax.tree.leaves((big, state))
+  )
   temp = {
     retries: jax.jit(
       lambda p, s, r=retries: tx.minimize(loss, p, s, x, max_retries=r),
@@ -316,16 +319,7 @@ def test_the_retry_loop_carries_the_attempt_and_the_update_runs_once_after_it():
     .temp_size_in_bytes
     for retries in (0, 4)
   }
-  assert temp[4] - temp[0] < big["w"].nbytes / 4
-  # Under `vmap`, too, the loop carries the members' gradients, not their
-  # parameters and momenta: the update runs once, after it.
-  members = jax.tree.map(lambda x: jnp.stack([x] * 3), (big, state))
-  jaxpr = jax.make_jaxpr(
-    jax.vmap(lambda p, s: tx.minimize(loss, p, s, x, max_retries=4))
-  )(*members)
-  (loop,) = [e for e in jaxpr.jaxpr.eqns if e.primitive is lax.while_p]
-  shapes = [v.aval.shape for v in loop.outvars]
-  assert shapes.count((3, 256, 256)) == 1
+  assert temp[4] <= 1.05 * temp[0]
 
 
 # --- errors ----------------------------------------------------------------------

