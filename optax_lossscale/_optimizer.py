@@ -319,11 +319,8 @@ class LossScaleOptimizer:
     # The loss scale, the inner state, `should_apply`, four counters (fresh
     # arrays each: a donated state shares no buffer), the skip record, the
     # step count, the write record, the norm and the window's count.
-    own = [
-      jax.tree.map(jnp.copy, self.loss_scale),
-      inner_state,
-      jnp.array(True),
-    ]
+    scale = jax.tree.map(jnp.copy, self.loss_scale)
+    own = [scale, inner_state, jnp.array(True)]
     own += [jnp.zeros((), jnp.int32) for _ in range(4)]
     own.append(SkipRecord.empty(self.loss_scale(), names))
     own.append(jnp.zeros((), jnp.int32))
@@ -466,17 +463,14 @@ class LossScaleOptimizer:
 
     if max_retries == 0:
       value, grads = attempt(state.loss_scale, params)
-      params, state = self.apply_gradients(
-        grads, state, params, value=loss_of(value)
-      )
+      extra = {"value": loss_of(value)}
+      params, state = self._step(call, grads, state, params, extra, True)
       return value, params, state
 
     def finish(found: _retry.Attempt, operand: Any) -> Any:
       params, state = operand
-      extra_args = {"value": loss_of(found.value)}
-      return self._step(
-        call, found.grads, state, params, extra_args, True, found
-      )
+      extra = {"value": loss_of(found.value)}
+      return self._step(call, found.grads, state, params, extra, True, found)
 
     value, (params, state) = _retry.retry(
       call,
