@@ -9,12 +9,8 @@ from typing import Any, TypeVar
 import jax
 import numpy as np
 
-from optax_lossscale import _states, _validation
-from optax_lossscale._loss_scale import (
-  STATE_DTYPES,
-  DynamicLossScale,
-  LossScale,
-)
+from optax_lossscale import _loss_scale, _states, _validation
+from optax_lossscale._loss_scale import LossScale
 from optax_lossscale._states import LossScaleOptimizerState
 
 __all__ = ["check_state"]
@@ -64,7 +60,7 @@ def _check(
 
 def _check_loss_scale(ls: LossScale, path: str, shape: Any) -> None:
   """A `DynamicLossScale`'s state; says what it keeps past its bounds."""
-  if not isinstance(ls, DynamicLossScale):
+  if not isinstance(ls, _loss_scale.DynamicLossScale):
     return
   shape = np.shape(_array(ls.current_loss_scale)) if shape is None else shape
   tiny, big = np.finfo(np.float32).tiny, np.finfo(np.float32).max
@@ -76,7 +72,8 @@ def _check_loss_scale(ls: LossScale, path: str, shape: Any) -> None:
   ]
   for name, valid, (low, high), then in bounds:
     where = f"`{path}.{name}`"
-    values = _check(where, getattr(ls, name), STATE_DTYPES[name], shape, valid)
+    dtype = _loss_scale.STATE_DTYPES[name]
+    values = _check(where, getattr(ls, name), dtype, shape, valid)
     outside = np.zeros(0) if values is None else values
     outside = outside[(outside < low) | (outside > high)]
     if len(outside):

@@ -10,9 +10,7 @@ import numpy as np
 import optax
 from jax.tree_util import keystr, tree_leaves_with_path
 
-from optax_lossscale import _numerics, _validation
-from optax_lossscale._loss_scale import LossScale
-from optax_lossscale._states import LossScaleOptimizerState, check_dtypes
+from optax_lossscale import _loss_scale, _numerics, _states, _validation
 
 # flax's `fp8_ops.OVERWRITE_WITH_GRADIENT`: FP8 scales and amax histories,
 # whose "gradients" are their new values.
@@ -67,7 +65,7 @@ def overwrite_mask(call: str, overwrite: Any, tree: Any) -> Any:
 
 
 def check_loss_scale(call: str, loss_scale: Any) -> None:
-  if not isinstance(loss_scale, LossScale):
+  if not isinstance(loss_scale, _loss_scale.LossScale):
     got = _validation.describe(loss_scale)
     if isinstance(loss_scale, type):  # the class: `DynamicLossScale`
       got += f"; call it: `{loss_scale.__name__}()`"
@@ -135,14 +133,14 @@ def check_inputs(
 
   `dtypes` is a state of the fields and dtypes `init` returns.
   """
-  if isinstance(params, LossScaleOptimizerState):
+  if isinstance(params, _states.LossScaleOptimizerState):
     order = "fun, params, state" if "minimize" in call else "grads, state"
     raise TypeError(
       f"`{call}`: `params` is the optimizer state; the arguments are"
       f" ({order}, ...)."
     )
-  _validation.state(call, state, LossScaleOptimizerState)
-  check_dtypes(call, state, dtypes)
+  _validation.state(call, state, _states.LossScaleOptimizerState)
+  _states.check_dtypes(call, state, dtypes)
   check_structure(call, grads, params)
   slots = state.last_skip.nonfinite.shape[-1]
   paths = tree_leaves_with_path(like_grads(params))

@@ -8,8 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lossscale import _cond, _numerics, _validation
-from optax_lossscale._loss_scale import LossScale
+from optax_lossscale import _cond, _loss_scale, _numerics, _validation
 
 
 class Checks(NamedTuple):
@@ -37,7 +36,7 @@ def masked(mask: Any, tree: Any) -> Any:
 
 def check(
   call: str,
-  loss_scale: LossScale,
+  loss_scale: _loss_scale.LossScale,
   grads: Any,
   value: Any,
   axis_name: _numerics.AxisName,

@@ -8,11 +8,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lossscale import _numerics, _validation
-from optax_lossscale._inputs import check_loss_scale, check_structure
+from optax_lossscale import _inputs, _numerics, _read, _validation
 from optax_lossscale._loss_scale import LossScale
 from optax_lossscale._optimizer import decide
-from optax_lossscale._read import check
 from optax_lossscale._states import UnscaleGradientsState, check_dtypes
 
 __all__ = ["unscale_gradients"]
@@ -85,7 +83,7 @@ def unscale_gradients(
     >>> updates["w"], float(state[0].loss_scale())
     (Array([0., 0.], dtype=float32), 4.0)
   """
-  check_loss_scale("unscale_gradients", loss_scale)
+  _inputs.check_loss_scale("unscale_gradients", loss_scale)
   call = "unscale_gradients.update"
 
   def init_fn(params: optax.Params) -> UnscaleGradientsState:
@@ -100,9 +98,9 @@ def unscale_gradients(
   ) -> tuple[optax.Updates, UnscaleGradientsState]:
     _validation.state(call, state, UnscaleGradientsState)
     check_dtypes(call, state, jax.eval_shape(init_fn, None))
-    check_structure(call, updates, params)
+    _inputs.check_structure(call, updates, params)
     value = extra_args.get("value")
-    checks = check(call, state.loss_scale, updates, value, axis_name)
+    checks = _read.check(call, state.loss_scale, updates, value, axis_name)
     new, should_apply = decide(state.loss_scale, checks, skip_nonfinite=False)
     unscaled = state.loss_scale.unscale(updates)
     return unscaled, UnscaleGradientsState(new, should_apply)

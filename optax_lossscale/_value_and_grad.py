@@ -7,9 +7,8 @@ from typing import Any
 
 import jax
 
-from optax_lossscale import _validation
+from optax_lossscale import _states, _validation
 from optax_lossscale._loss_scale import LossScale
-from optax_lossscale._states import find_loss_scale
 
 __all__ = ["scaled_value_and_grad"]
 
@@ -66,7 +65,7 @@ def scaled_value_and_grad(
     if not isinstance(opt_state, LossScale):
       where = "`scaled_value_and_grad(fun)(opt_state, params, ...)`: the first"
       where += " argument, the optimizer state (did you pass the parameters?),"
-      loss_scale = find_loss_scale(where, opt_state)
+      loss_scale = _states.find_loss_scale(where, opt_state)
 
     def scaled(*args: Any, **kwargs: Any) -> tuple[jax.Array, Any]:
       out = fun(*args, **kwargs)
