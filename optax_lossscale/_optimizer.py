@@ -529,17 +529,15 @@ class LossScaleOptimizer:
       first_checks = checks._replace(grads_finite=first)
       loss_scale = decide(state.loss_scale, first_checks, skip)[0]
     index, closes, counters = self._schedule(state, should_apply, attempt.held)
-    # The skip stays branch 0: XLA's conditional passes donated buffers
-    # through it uncopied (jax#39449; other orders copy each:
-    # tests/test_accelerator_ready.py).
+    # The skip stays branch 0, which XLA passes donated buffers through
+    # uncopied (jax#39449; tests/test_accelerator_ready.py).
     out, inner, wrote, norm = _cond.switch(
       index,
       self._branches(step, should_apply),
       *(params, state.inner_state, state.last_nonfinite_write),
       sharded_like=grads,
     )
-    # A kept micro-batch that leaves its window open holds the scale (unless
-    # it was recomputed: that is an overflow).
+    # A kept micro-batch in an open window holds the scale (unless retried).
     hold = should_apply & ~closes & (retries == 0)
     loss_scale = tree_where(hold, state.loss_scale, loss_scale)
     new = _next_state(state, loss_scale, should_apply, attempt)
