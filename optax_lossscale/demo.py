@@ -54,7 +54,7 @@ import optax_lossscale as ols
 
 DEPTH = 7
 WIDTH = 128
-LEARNING_RATE = 1e-3
+LEARNING_RATE = 3e-3
 FIXED_SCALE = 2.0**12
 # Steps run per compiled call (a `lax.scan`); the progress bar moves by these.
 CHUNK = 50
@@ -513,7 +513,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument(
     "--steps",
     type=int,
-    help="training steps per run (default: 800; 15 with --quick)",
+    help="training steps per run (default: 400; 15 with --quick)",
   )
   parser.add_argument("--seed", type=int, default=0, help="random seed")
   parser.add_argument(
@@ -535,7 +535,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
   )
   args = parser.parse_args(argv)
   if args.steps is None:
-    args.steps = QUICK_STEPS if args.quick else 800
+    args.steps = QUICK_STEPS if args.quick else 400
   if args.batch_size is None:
     args.batch_size = QUICK_BATCH_SIZE if args.quick else 512
   if args.steps < 1 or args.batch_size < 1:
