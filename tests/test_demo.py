@@ -14,7 +14,7 @@ from optax_lossscale import demo
 pytestmark = pytest.mark.usefixtures("standard_promotion")
 
 
-@pytest.mark.slow  # `.ci/run` runs the full demo first, and this after
+@pytest.mark.slow  # `.ci/run` runs the full demo too, beside this
 def test_demo_runs_and_writes_a_png(tmp_path, capsys):
   out = tmp_path / "demo.png"
   results = demo.main(["--quick", "--seed", "1", "--out", str(out)])

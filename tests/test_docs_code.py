@@ -102,8 +102,8 @@ def test_the_readme_and_the_guides_have_code_to_run():
   assert sum(p.startswith("docs/guides/") for p in listed) >= 5
 
 
-# About 55 s of CPU for all pages: in the slow suite, which `.ci/run` runs
-# after `pytest`, so that `pytest` stays under 3 minutes on 2 cores.
+# About 100 s of CPU for all pages (55 s of wall time on 2 cores): in the
+# slow suite, which `.ci/run` runs beside `pytest`.
 @pytest.mark.slow
 @pytest.mark.parametrize("page", pages())
 def test_page_code_runs_in_order(page, page_runs):

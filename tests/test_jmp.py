@@ -113,7 +113,7 @@ def test_signatures_match_the_installed_jmp(real_jmp):
         assert ours[key].default == param.default, (name, key)
 
 
-@pytest.mark.slow  # run by `.ci/run` after the suite
+@pytest.mark.slow  # run by `.ci/run` beside the suite
 def test_jmps_own_tests_pass_against_this_module(real_jmp, tmp_path):
   # jmp's 97 tests, with only their import line changed, under their own
   # (standard) promotion rather than this suite's strict one.
@@ -970,7 +970,7 @@ def _ported_run(tx, params, opt_state, steps):
   return params, opt_state, scales
 
 
-@pytest.mark.slow  # run by `.ci/run` after the suite
+@pytest.mark.slow  # run by `.ci/run` beside the suite
 def test_a_jmp_program_reaches_the_same_parameters_swapped_and_ported(
   standard_promotion,
 ):
@@ -1044,7 +1044,7 @@ def _haiku_batch_norm_model(hk):
   return hk.transform_with_state(forward)
 
 
-@pytest.mark.slow  # run by `.ci/run` after the suite
+@pytest.mark.slow  # run by `.ci/run` beside the suite
 def test_haiku_state_is_kept_on_a_skipped_step_as_the_docs_write_it(
   standard_promotion,
 ):

@@ -24,8 +24,8 @@ import time
 import numpy as np
 import pytest
 
-# About 25 s of wall time on 2 cores: in the slow suite, which `.ci/run` runs
-# after `pytest`.
+# About 35 s of wall time on 2 cores: in the slow suite, which `.ci/run` runs
+# beside `pytest`.
 pytestmark = pytest.mark.slow
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

@@ -59,7 +59,7 @@ def test_the_corpus_is_this_pythons_stdlib_sorted_and_split_by_file(
   assert held_out.tobytes() == expected
 
 
-@pytest.mark.slow  # run by `.ci/run` after the suite
+@pytest.mark.slow  # run by `.ci/run` beside the suite
 def test_float16_with_scaling_matches_float32_and_the_mistake_is_stopped(
   real_text, corpus
 ):
