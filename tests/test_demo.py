@@ -15,16 +15,16 @@ pytestmark = pytest.mark.usefixtures("standard_promotion")
 
 
 @pytest.mark.slow  # `.ci/run` runs the full demo too, beside this
-def test_demo_runs_and_writes_a_png(tmp_path, capsys):
-  out = tmp_path / "demo.png"
-  results = demo.main(["--quick", "--seed", "1", "--out", str(out)])
+def test_demo_runs_and_writes_a_png(tmp_path, capsys, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  results = demo.main(["--quick", "--seed", "1"])
+  # Beside a full run's plot (lossscale_demo.png), not over it.
+  out = tmp_path / "lossscale_demo_quick.png"
   assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   command, machine, date, blank, *table = (
     out.with_suffix(".txt").read_text().splitlines()
   )
-  assert (
-    command == f"python -m optax_lossscale.demo --quick --seed 1 --out {out}"
-  )
+  assert command == "python -m optax_lossscale.demo --quick --seed 1"
   assert "cores" in machine and re.fullmatch(r"\d{4}-\d\d-\d\d", date)
   assert blank == "" and table[0].startswith("run") and len(table) == 6
   assert [r["name"] for r in results] == [name for name, _, _ in demo.RUNS]
@@ -38,6 +38,7 @@ def test_demo_runs_and_writes_a_png(tmp_path, capsys):
   assert results[2]["first_underflow"] == results[3]["first_underflow"] == 0.0
   printed = capsys.readouterr().out
   assert "Setting:" in printed and "loss scale" in printed
+  assert "--quick: a smoke run" in printed  # its numbers show nothing
   assert f"a batch of {demo.QUICK_BATCH_SIZE}," in printed
   _check_failure_modes(printed)
   _check_dropped_batches(printed)
