@@ -515,29 +515,29 @@ def check_global_norm():
       _assert_close(x, expected, ("clipped", k))
     _no_gradient_moves(step.lower(grads, state, params).compile(), "norm")
   # Inside shard_map, the blocks of gradients that vary along axis_name are
-  # summed across it (FSDP); gradients that do not vary count once.
+  # summed across it (FSDP); gradients that do not vary count once. Whole
+  # float16 blocks are read in pairs.
   mesh = _mesh((N,), ("i",))
-  blocks = np.arange(1.0, 4 * N + 1, dtype=np.float32).reshape(N, 4)
   tx = ols.LossScaleOptimizer(
     optax.sgd(0.1), ols.NoOpLossScale(), axis_name="i"
   )
-  state = tx.init({"w": jnp.zeros((1, 4))})
-  for spec, grads, expected in [
-    (P("i"), blocks, np.linalg.norm(blocks)),
-    (P(), blocks[:1], np.linalg.norm(blocks[0])),
-  ]:
+  for dtype in (np.float32, np.float16):
+    blocks = np.arange(1.0, 4 * N + 1).reshape(N, 4).astype(dtype)
+    state = tx.init({"w": jnp.zeros((1, 4), dtype)})
+    for spec, grads in [(P("i"), blocks), (P(), blocks[:1])]:
 
-    @jax.jit
-    @partial(
-      jax.shard_map, mesh=mesh, in_specs=(spec, P(), spec), out_specs=P()
-    )
-    def norm_of(params, state, grads):
-      return tx.update(grads, state, params)[1].grad_norm
+      @jax.jit
+      @partial(
+        jax.shard_map, mesh=mesh, in_specs=(spec, P(), spec), out_specs=P()
+      )
+      def norm_of(params, state, grads):
+        return tx.update(grads, state, params)[1].grad_norm
 
-    sharded = NamedSharding(mesh, spec)
-    zeros = jax.device_put({"w": np.zeros_like(grads)}, sharded)
-    found = norm_of(zeros, state, jax.device_put({"w": grads}, sharded))
-    np.testing.assert_allclose(float(found), expected, rtol=1e-6)
+      sharded = NamedSharding(mesh, spec)
+      zeros = jax.device_put({"w": np.zeros_like(grads)}, sharded)
+      found = norm_of(zeros, state, jax.device_put({"w": grads}, sharded))
+      expected = np.linalg.norm(grads.astype(np.float64))
+      np.testing.assert_allclose(float(found), expected, rtol=1e-6)
 
 
 def check_pmap_global_norm():

@@ -242,3 +242,45 @@ def test_the_check_does_no_arithmetic_on_the_gradients():
   jaxpr = jax.make_jaxpr(ols.all_finite)(tree).jaxpr
   assert "is_finite" in str(jaxpr)
   assert _arithmetic_on_floats(jaxpr) == []
+
+
+def test_float16_gradients_give_the_norm_of_every_value_exactly():
+  # float16 is read in pairs, widened to float32 by integer operations:
+  # every finite value, first or second in a pair, gives its magnitude
+  # exactly; an inf or a NaN gives inf and skips the step.
+  values = jax.lax.bitcast_convert_type(
+    jnp.arange(2**16, dtype=jnp.uint32).astype(jnp.uint16), jnp.float16
+  )
+  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.FixedLossScale(1.0))
+  params = {"w": jnp.zeros((2,), jnp.float16)}
+  state = tx.init(params)
+
+  @jax.jit
+  @jax.vmap
+  def norm(pair):
+    new = tx.update({"w": pair}, state, params)[1]
+    return new.grad_norm, new.should_apply
+
+  wide = np.asarray(values, np.float32)
+  finite = np.isfinite(wide)
+  zeros = jnp.zeros_like(values)
+  for pair in (jnp.stack([values, zeros], 1), jnp.stack([zeros, values], 1)):
+    got, applied = norm(pair)
+    np.testing.assert_array_equal(got, np.where(finite, np.abs(wide), np.inf))
+    np.testing.assert_array_equal(applied, finite)
+  # Large leaves, read in place, of even and odd sizes, and small ones of
+  # odd sizes, stacked: the norm of all of them to float32's rounding.
+  rng = np.random.default_rng(0)
+  every = rng.permutation(wide[finite])
+  grads = {
+    "even": every,
+    "odd": every[:-1],
+    **{f"small{n}": every[n : 2 * n + 1] for n in (0, 2, 4)},
+  }
+  grads = {k: jnp.asarray(v, jnp.float16) for k, v in grads.items()}
+  params = jax.tree.map(jnp.zeros_like, grads)
+  new = jax.jit(tx.update)(grads, tx.init(params), params)[1]
+  leaves = np.concatenate([np.asarray(g, np.float64) for g in grads.values()])
+  expected = np.sqrt(np.sum(np.square(leaves)))
+  np.testing.assert_allclose(float(new.grad_norm), expected, rtol=1e-6)
+  assert any(g.size % 2 for g in grads.values())
