@@ -89,14 +89,13 @@ def _check_optimizer_state(state: LossScaleOptimizerState, path: str) -> None:
     got = _validation.describe(state.loss_scale)
     raise TypeError(f"`{path}.loss_scale` must be a LossScale, got {got}.")
   shape = np.shape(_array(state.should_apply))
-  counts = {}
-  for name in ("should_apply", *_COUNTERS):
-    dtype = np.bool_ if name == "should_apply" else np.int32
-    where = f"`{path}.{name}`"
-    counts[name] = _check(where, getattr(state, name), dtype, shape)
+  _check(f"`{path}.should_apply`", state.should_apply, np.bool_, shape)
+  skipped, consecutive, *_ = [
+    _check(f"`{path}.{name}`", getattr(state, name), np.int32, shape)
+    for name in _COUNTERS
+  ]
   norm = _array(state.grad_norm)  # inf after an overflow
   _validation.array_dtype(f"`{path}.grad_norm`", norm, np.float32)
-  skipped, consecutive = (counts[name] for name in _COUNTERS[:2])
   if not (
     skipped is None or consecutive is None or (consecutive <= skipped).all()
   ):

@@ -131,7 +131,7 @@ def check_inputs(
 ) -> None:
   """Raises, at trace time, naming what is wrong with a step's inputs.
 
-  `dtypes` is a state of the fields and dtypes `init` returns.
+  `dtypes` is a state of the type, fields and dtypes `init` returns.
   """
   if isinstance(params, _states.LossScaleOptimizerState):
     order = "fun, params, state" if "minimize" in call else "grads, state"
@@ -139,8 +139,7 @@ def check_inputs(
       f"`{call}`: `params` is the optimizer state; the arguments are"
       f" ({order}, ...)."
     )
-  _validation.state(call, state, _states.LossScaleOptimizerState)
-  _states.check_dtypes(call, state, dtypes)
+  _states.check_like(call, state, dtypes)
   check_structure(call, grads, params)
   slots = state.last_skip.nonfinite.shape[-1]
   paths = tree_leaves_with_path(like_grads(params))

@@ -36,11 +36,12 @@ from optax_lossscale._validation import FLOAT32_MAX, boolean, integer, scalar
 __all__ = ["DynamicLossScale", "FixedLossScale", "LossScale", "NoOpLossScale"]
 
 
-def map_floats(fn: Any, tree: Any) -> Any:
-  """`fn` on each float leaf, in at least float32; the others pass as they are.
+def multiply_floats(tree: Any, factor: jax.Array) -> Any:
+  """Each float leaf times `factor`, in at least float32; the others pass as
+  they are.
 
-  Each leaf keeps its dtype: `fn(x, dtype)` gets it widened, and its result
-  is rounded once.
+  Each leaf keeps its dtype: it is widened, multiplied by `factor` cast to
+  that width, and the product is rounded once.
   """
 
   def leaf(x: Any) -> Any:
@@ -50,7 +51,7 @@ def map_floats(fn: Any, tree: Any) -> Any:
     if jnp.iscomplexobj(x):  # part by part: (inf + 0j) * (s + 0j) has a NaN
       return jax.lax.complex(leaf(jnp.real(x)), leaf(jnp.imag(x)))
     wide = jnp.float32 if x.dtype.itemsize < 4 else x.dtype  # half: float32
-    return fn(x.astype(wide), wide).astype(x.dtype)
+    return (x.astype(wide) * factor.astype(wide)).astype(x.dtype)
 
   return jax.tree.map(leaf, tree, is_leaf=lambda x: x is None)
 
@@ -162,8 +163,7 @@ class LossScale(abc.ABC):
       A pytree of the same structure and dtypes; None, integer, bool and
       `float0` leaves pass unchanged.
     """
-    s = self()
-    return map_floats(lambda x, dtype: x * s.astype(dtype), tree)
+    return multiply_floats(tree, self())
 
   def unscale(self, tree: Any) -> Any:
     """Divides every float leaf of `tree` by the loss scale.
@@ -180,8 +180,7 @@ class LossScale(abc.ABC):
       A pytree of the same structure and dtypes; None, integer, bool and
       `float0` leaves pass unchanged.
     """
-    inverse = 1 / self()
-    return map_floats(lambda x, dtype: x * inverse.astype(dtype), tree)
+    return multiply_floats(tree, 1 / self())
 
   def lowered(self) -> Self | None:
     """Returns the loss scale to retry an overflowed step with, or None.

@@ -13,7 +13,7 @@ import optax
 from optax.tree import where as tree_where
 
 from optax_lossscale import _cond, _inputs, _numerics, _retry, _validation
-from optax_lossscale._loss_scale import LossScale, map_floats
+from optax_lossscale._loss_scale import LossScale, multiply_floats
 from optax_lossscale._read import Checks, check, masked
 from optax_lossscale._states import (
   LossScaleOptimizerState,
@@ -130,27 +130,6 @@ def _next_state(
   )
 
 
-def _accumulation(
-  call: str, multi: optax.MultiSteps | None
-) -> tuple[Any, bool]:
-  """The windows an `optax.MultiSteps` asks for: their length (None: no
-  accumulation) and mean.
-
-  `MultiSteps` has no public accessor for them (Optax 0.2.8): they are read
-  from its attributes, once (tests/test_accumulation.py would see a rename).
-  """
-  if multi is None:
-    return None, True
-  skip = multi._should_skip_update_fn
-  if "MultiSteps.__init__" not in getattr(skip, "__qualname__", ""):
-    raise ValueError(
-      f"`{call}(inner=...)` must be an `optax.MultiSteps` without a"
-      f" `should_skip_update_fn`, got {_validation.describe(skip)}: each"
-      " non-finite micro-batch is dropped before it is accumulated."
-    )
-  return multi._every_k_schedule, multi._use_grad_mean
-
-
 class LossScaleOptimizer:
   """Wraps an optimizer with loss scaling: unscale, check, clip, update or skip.
 
@@ -261,9 +240,22 @@ class LossScaleOptimizer:
     overwrite_with_gradient: Any = None,
   ) -> None:
     call = "LossScaleOptimizer"
-    self._multi = inner if isinstance(inner, optax.MultiSteps) else None
-    self._every_k, self._mean = _accumulation(call, self._multi)
-    inner = inner if self._multi is None else self._multi.inner_opt
+    # Under accumulation, the windows' length (None: no accumulation) and
+    # mean, and the `optax.MultiSteps` that asks for them.
+    self._multi, self._every_k, self._mean = None, None, True
+    if isinstance(inner, optax.MultiSteps):
+      skip = inner._should_skip_update_fn
+      if "MultiSteps.__init__" not in getattr(skip, "__qualname__", ""):
+        raise ValueError(
+          f"`{call}(inner=...)` must be an `optax.MultiSteps` without a"
+          f" `should_skip_update_fn`, got {_validation.describe(skip)}: each"
+          " non-finite micro-batch is dropped before it is accumulated."
+        )
+      # `MultiSteps` has no public accessor for them (Optax 0.2.8): they are
+      # read from its attributes, once (tests/test_accumulation.py would see
+      # a rename).
+      self._every_k, self._mean = inner._every_k_schedule, inner._use_grad_mean
+      self._multi, inner = inner, inner.inner_opt
     if not isinstance(inner, optax.GradientTransformation):
       swapped = isinstance(inner, LossScale)
       order = "; the arguments are (inner, loss_scale)" if swapped else ""
@@ -458,11 +450,8 @@ class LossScaleOptimizer:
     value_and_grad = scaled_value_and_grad(fun, has_aux=has_aux)
     loss_of = (lambda v: v[0]) if has_aux else (lambda v: v)
 
-    def attempt(loss_scale: LossScale, params: Any) -> tuple[Any, Any]:
-      return value_and_grad(loss_scale, params, *args, **kwargs)
-
     if max_retries == 0:
-      value, grads = attempt(state.loss_scale, params)
+      value, grads = value_and_grad(state.loss_scale, params, *args, **kwargs)
       extra = {"value": loss_of(value)}
       params, state = self._step(call, grads, state, params, extra, True)
       return value, params, state
@@ -474,7 +463,7 @@ class LossScaleOptimizer:
 
     value, (params, state) = _retry.retry(
       call,
-      lambda ls, operand: attempt(ls, operand[0]),
+      lambda ls, operand: value_and_grad(ls, operand[0], *args, **kwargs),
       lambda ls, value, g: check(
         call, ls, g, loss_of(value), self.axis_name, self._mask(call, g)
       ),
@@ -616,7 +605,7 @@ class LossScaleOptimizer:
       return g
     keep = (norm < self.max_norm) | ~finite
     clip = jnp.where(keep, 1.0, self.max_norm / norm)
-    return map_floats(lambda x, dtype: x * clip.astype(dtype), g)
+    return multiply_floats(g, clip)
 
   def _gradient(self, step: _Step, kept: jax.Array) -> Any:
     """The unscaled gradients; under accumulation, the window's mean (or

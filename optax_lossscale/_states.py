@@ -212,13 +212,19 @@ class LossScaleOptimizerState(NamedTuple):
   accumulated: jax.Array
 
 
-def check_dtypes(call: str, state: Any, like: Any) -> None:
-  """Raises a `TypeError`, at trace time, if a field of `state` was cast.
+def check_like(call: str, state: Any, like: Any) -> None:
+  """Raises a `TypeError`, at trace time, unless `state` is a state of
+  `like`'s type whose fields were not cast.
 
-  `like` is a state of the expected fields and dtypes (from `init`,
+  `like` is a state of the expected type, fields and dtypes (from `init`,
   abstract), with no inner state: the inner optimizer owns it, so it is not
   compared.
   """
+  if not isinstance(state, type(like)):
+    raise TypeError(
+      f"`{call}` takes the {type(like).__name__} that `init` returned, got"
+      f" {_validation.describe(state)}."
+    )
   inner = {"inner_state": None} if hasattr(state, "inner_state") else {}
   leaves = jax.tree_util.tree_leaves_with_path
   want = {jax.tree_util.keystr(p): x.dtype for p, x in leaves(like)}

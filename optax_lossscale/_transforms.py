@@ -8,10 +8,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lossscale import _inputs, _numerics, _read, _validation
+from optax_lossscale import _inputs, _numerics, _read
 from optax_lossscale._loss_scale import LossScale
 from optax_lossscale._optimizer import decide
-from optax_lossscale._states import UnscaleGradientsState, check_dtypes
+from optax_lossscale._states import UnscaleGradientsState, check_like
 
 __all__ = ["unscale_gradients"]
 
@@ -96,8 +96,7 @@ def unscale_gradients(
     params: optax.Params | None = None,
     **extra_args: Any,
   ) -> tuple[optax.Updates, UnscaleGradientsState]:
-    _validation.state(call, state, UnscaleGradientsState)
-    check_dtypes(call, state, jax.eval_shape(init_fn, None))
+    check_like(call, state, jax.eval_shape(init_fn, None))
     _inputs.check_structure(call, updates, params)
     value = extra_args.get("value")
     checks = _read.check(call, state.loss_scale, updates, value, axis_name)

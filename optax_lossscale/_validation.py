@@ -67,15 +67,6 @@ def boolean(call: str, name: str, value: Any) -> bool:
   return bool(value)
 
 
-def state(call: str, value: Any, state_type: type) -> None:
-  """Raises a `TypeError` unless `value` is a state of `state_type`."""
-  if not isinstance(value, state_type):
-    raise TypeError(
-      f"`{call}` takes the {state_type.__name__} that `init` returned, got"
-      f" {describe(value)}."
-    )
-
-
 def array_dtype(where: str, value: Any, dtype: Any) -> None:
   """Raises a `TypeError` unless `value` is an array of `dtype`.
 
