@@ -6,6 +6,8 @@ import builtins
 import importlib
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -14,52 +16,73 @@ from optax_lossscale import demo
 pytestmark = pytest.mark.usefixtures("standard_promotion")
 
 
-@pytest.mark.slow  # `.ci/run` runs the full demo too, beside this
-def test_demo_runs_and_writes_a_png(tmp_path, capsys, monkeypatch):
-  monkeypatch.chdir(tmp_path)
-  results = demo.main(["--quick", "--seed", "1"])
-  # Beside a full run's plot (lossscale_demo.png), not over it.
-  out = tmp_path / "lossscale_demo_quick.png"
+@pytest.mark.slow  # `.ci/run` runs it as its demo step
+def test_the_readme_demo_runs_and_shows_its_point(tmp_path):
+  # The README's second command, as a reader runs it, in a fresh directory.
+  command = [sys.executable, "-m", "optax_lossscale.demo"]
+  run = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True)
+  assert run.returncode == 0, run.stdout + run.stderr
+  out = tmp_path / "lossscale_demo.png"
   assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   command, machine, date, blank, *table = (
     out.with_suffix(".txt").read_text().splitlines()
   )
-  assert command == "python -m optax_lossscale.demo --quick --seed 1"
+  assert command == "python -m optax_lossscale.demo"
   assert "cores" in machine and re.fullmatch(r"\d{4}-\d\d-\d\d", date)
   assert blank == "" and table[0].startswith("run") and len(table) == 6
-  assert [r["name"] for r in results] == [name for name, _, _ in demo.RUNS]
-  for r in results:
-    assert len(r["history"]["loss"]) == demo.QUICK_STEPS == 15
-    assert 0.0 <= r["accuracy"] <= 1.0 and 0.0 <= r["underflow"] <= 1.0
-  assert results[0]["underflow"] == 0.0  # float32 loses nothing
+  printed = run.stdout
+  assert "\n".join(table) in printed
+  rows = {}
+  for line in table[2:]:
+    name, numbers = line[:50].strip(), line[50:].split()
+    rows[name] = [float(x.rstrip("%")) for x in numbers]
+  assert list(rows) == [name for name, _, _ in demo.RUNS]
+  (f32, f16, fixed, dynamic) = rows.values()  # loss, acc, underflow@0, ...
   # The setting's point: unscaled float16 loses gradient entries from the
-  # first step, and both loss scales keep them all.
-  assert results[1]["first_underflow"] > 0.01
-  assert results[2]["first_underflow"] == results[3]["first_underflow"] == 0.0
-  printed = capsys.readouterr().out
-  assert "Setting:" in printed and "loss scale" in printed
-  assert "--quick: a smoke run" in printed  # its numbers show nothing
-  assert f"a batch of {demo.QUICK_BATCH_SIZE}," in printed
-  _check_failure_modes(printed)
+  # first step and falls behind; both loss scales keep them all and train
+  # as float32 does.
+  assert f32[2] == fixed[2] == dynamic[2] == 0.0 and f16[2] > 1.0
+  assert f16[0] > f32[0] + 0.5
+  for scaled in (fixed, dynamic):
+    assert abs(scaled[0] - f32[0]) < 0.05 and scaled[4] == 0  # none skipped
+  assert "Setting:" in printed and "--quick" not in printed
+  _check_failure_modes(printed, nan_step=132, overflow_step=265)
   _check_dropped_batches(printed)
 
 
-def _check_failure_modes(printed):
-  # Two runs (hysteresis 1 and 2), each with NaN inputs at step 4 and an
-  # overflowing batch at step 9 of steps 0 to 14, numbered as the skip
-  # reports number them; a SkipMonitor logs each skip.
-  assert printed.count("log: skipped step 4 ") == 2
+def test_quick_is_a_short_run_written_beside_the_full_one():
+  quick, full = demo._parse(["--quick"]), demo._parse([])
+  assert (quick.steps, quick.batch_size) == (demo.QUICK_STEPS, 32) == (15, 32)
+  assert (full.steps, full.batch_size) == (400, 512)
+  assert (quick.out, full.out) == (
+    "lossscale_demo_quick.png",
+    "lossscale_demo.png",
+  )
+  assert demo._parse(["--quick", "--steps", "3"]).steps == 3
+  # Its numbers show nothing, and it says so.
+  assert "--quick: a smoke run" in demo._setting(quick)
+  assert "--quick" not in demo._setting(full)
+  assert f"a batch of {demo.QUICK_BATCH_SIZE}," in demo._setting(quick)
+
+
+def _check_failure_modes(printed, nan_step, overflow_step):
+  # Two runs (hysteresis 1 and 2), each with NaN inputs at one step and an
+  # overflowing batch at a later one, numbered as the skip reports number
+  # them; a SkipMonitor logs each skip.
+  assert printed.count(f"log: skipped step {nan_step} ") == 2
   assert printed.count("log: skipped step") == 4
   assert printed.count("loss NON-FINITE") == 2
   nan_steps = re.findall(
-    r"step 4 \(NaN inputs, loss nan\): loss scale (\S+) -> (\S+) \((\w+)",
+    rf"step {nan_step} \(NaN inputs, loss nan\): loss scale (\S+) -> (\S+)"
+    r" \((\w+)",
     printed,
   )
   assert len(nan_steps) == 2
   for before, after, verdict in nan_steps:  # a NaN loss leaves the scale
     assert before == after and verdict == "unchanged"
   overflow = re.findall(
-    r"step 9 \(overflowing batch, loss (\S+)\): loss scale (\S+) -> (\S+)",
+    rf"step {overflow_step} \(overflowing batch, loss (\S+)\): loss scale"
+    r" (\S+) -> (\S+)",
     printed,
   )
   assert len(overflow) == 2
@@ -72,7 +95,7 @@ def _check_failure_modes(printed):
 
 
 def _check_dropped_batches(printed):
-  assert "first 15 steps" in printed
+  assert "first 100 steps" in printed
   tf_dropped = re.search(r"apply_gradients: (\d+) dropped", printed)
   retry = re.search(
     r"minimize\(max_retries=16\): (\d+) dropped, (\d+) retries", printed
