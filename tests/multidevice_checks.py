@@ -515,8 +515,8 @@ def check_global_norm():
       _assert_close(x, expected, ("clipped", k))
     _no_gradient_moves(step.lower(grads, state, params).compile(), "norm")
   # Inside shard_map, the blocks of gradients that vary along axis_name are
-  # summed across it (FSDP); gradients that do not vary count once. Whole
-  # float16 blocks are read in pairs.
+  # summed across it (FSDP); gradients that do not vary count once; in
+  # float32 and float16.
   mesh = _mesh((N,), ("i",))
   tx = ols.LossScaleOptimizer(
     optax.sgd(0.1), ols.NoOpLossScale(), axis_name="i"
@@ -613,36 +613,41 @@ def check_sharded_step_differentiates_in_reverse_mode():
 
 def check_vmap_members_sharded():
   # An ensemble of 8 members, the member axis sharded over the mesh, with
-  # float leaves of two sizes and an integer leaf: each member skips on its
-  # own, keeps its parameters when it does, and its record flags its own
-  # float leaves; the shardings are kept.
+  # float leaves of two sizes, float16 ones (stacked and read in place) and
+  # an integer leaf: each member skips on its own, keeps its
+  # parameters when it does, and its record flags its own float leaves; the
+  # shardings are kept.
   mesh = _mesh((N,), ("x",))
   tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale(8.0))
   with jax.set_mesh(mesh):
     host = {
       "c": np.ones((N, 7), np.float32),
       "d": np.ones((N, 3), np.float32),
+      "e": np.ones((N, 2, 3), np.float16),
+      "f": np.ones((N, 50, 100), np.float16),
       "n": np.ones((N, 2), np.int32),
     }
     host["c"][1, 0] = np.nan
     host["d"][2, 0] = np.inf
+    host["f"][5, 10, 20] = -np.inf
     grads = jax.device_put(host, P("x"))
     params = jax.tree.map(jnp.zeros_like, grads)
     step = jax.jit(jax.vmap(tx.apply_gradients))
     new_params, state = step(grads, jax.vmap(tx.init)(params), params)
   applied = np.asarray(state.should_apply).tolist()
-  assert applied == [m not in (1, 2) for m in range(N)], applied
+  assert applied == [m not in (1, 2, 5) for m in range(N)], applied
   flags = np.asarray(state.last_skip.nonfinite).tolist()
-  assert flags == [[m == 1, m == 2, False] for m in range(N)], flags
+  assert flags == [[m == 1, m == 2, False, m == 5, False] for m in range(N)]
   w = np.asarray(new_params["c"])
-  np.testing.assert_array_equal(w[1:3], 0.0)
-  np.testing.assert_allclose(np.delete(w, [1, 2], axis=0), -0.1 / 8.0)
+  np.testing.assert_array_equal(w[[1, 2, 5]], 0.0)
+  np.testing.assert_allclose(np.delete(w, [1, 2, 5], axis=0), -0.1 / 8.0)
   for x in jax.tree.leaves(new_params):
     assert x.sharding.is_equivalent_to(NamedSharding(mesh, P("x")), 2), x
   reports = ols.skip_reports(state)
   assert [(r.member, r.nonfinite) for r in reports] == [
     (1, ("['c']",)),
     (2, ("['d']",)),
+    (5, ("['f']",)),
   ], reports
 
 

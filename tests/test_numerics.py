@@ -245,9 +245,8 @@ def test_the_check_does_no_arithmetic_on_the_gradients():
 
 
 def test_float16_gradients_give_the_norm_of_every_value_exactly():
-  # float16 is read in pairs, widened to float32 by integer operations:
-  # every finite value, first or second in a pair, gives its magnitude
-  # exactly; an inf or a NaN gives inf and skips the step.
+  # Every finite float16 value, first or second in a leaf of two, gives its
+  # magnitude exactly; an inf or a NaN gives inf and skips the step.
   values = jax.lax.bitcast_convert_type(
     jnp.arange(2**16, dtype=jnp.uint32).astype(jnp.uint16), jnp.float16
   )
@@ -269,7 +268,8 @@ def test_float16_gradients_give_the_norm_of_every_value_exactly():
     np.testing.assert_array_equal(got, np.where(finite, np.abs(wide), np.inf))
     np.testing.assert_array_equal(applied, finite)
   # Large leaves, read in place, of even and odd sizes, and small ones of
-  # odd sizes, stacked: the norm of all of them to float32's rounding.
+  # odd sizes, stacked; apart, one of 4M elements, where a float32 sum in
+  # order would lose 7e-5 of the norm: each norm to float32's rounding.
   rng = np.random.default_rng(0)
   every = rng.permutation(wide[finite])
   grads = {
@@ -277,10 +277,31 @@ def test_float16_gradients_give_the_norm_of_every_value_exactly():
     "odd": every[:-1],
     **{f"small{n}": every[n : 2 * n + 1] for n in (0, 2, 4)},
   }
-  grads = {k: jnp.asarray(v, jnp.float16) for k, v in grads.items()}
-  params = jax.tree.map(jnp.zeros_like, grads)
-  new = jax.jit(tx.update)(grads, tx.init(params), params)[1]
-  leaves = np.concatenate([np.asarray(g, np.float64) for g in grads.values()])
-  expected = np.sqrt(np.sum(np.square(leaves)))
-  np.testing.assert_allclose(float(new.grad_norm), expected, rtol=1e-6)
-  assert any(g.size % 2 for g in grads.values())
+  for tree in (grads, {"large": rng.standard_normal(2**22)}):
+    tree = {k: jnp.asarray(v, jnp.float16) for k, v in tree.items()}
+    params = jax.tree.map(jnp.zeros_like, tree)
+    new = jax.jit(tx.update)(tree, tx.init(params), params)[1]
+    leaves = np.concatenate([np.asarray(g, np.float64) for g in tree.values()])
+    expected = np.sqrt(np.sum(np.square(leaves)))
+    np.testing.assert_allclose(float(new.grad_norm), expected, rtol=1e-6)
+
+
+def test_float16_gradients_differentiate_through_the_norm_and_the_clip():
+  # The step's read of float16 gradients is differentiated as the sum of
+  # their squares (meta-learning through a clipped step), as for float32.
+  tx = ols.LossScaleOptimizer(
+    optax.sgd(0.2), ols.FixedLossScale(1.0), max_norm=1.0
+  )
+
+  def through_the_step(grads):
+    params = jax.tree.map(jnp.zeros_like, grads)
+    updates, state = tx.update(grads, tx.init(params), params)
+    return jnp.sum(updates["w"].astype(jnp.float32)) + state.grad_norm
+
+  grads = np.array([3.0, 4.0, 0.0, 0.5, 1.5, 2.0])
+  got = {}
+  for dtype in (jnp.float16, jnp.float32):
+    g = {"w": jnp.asarray(grads, dtype)}
+    got[dtype] = jax.jit(jax.grad(through_the_step))(g)["w"]
+  np.testing.assert_allclose(got[jnp.float16], got[jnp.float32], atol=2e-3)
+  assert np.any(np.abs(np.asarray(got[jnp.float32])) > 0.1)
