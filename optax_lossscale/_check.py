@@ -105,9 +105,7 @@ def _check_optimizer_state(state: LossScaleOptimizerState, path: str) -> None:
     )
   records = {  # abstract: no transfer to a device (`jax.transfer_guard`)
     "last_skip": jax.eval_shape(_states.SkipRecord.empty, np.float32(1), []),
-    "last_nonfinite_write": jax.eval_shape(
-      lambda: _states.WriteRecord.empty(0)
-    ),
+    "last_nonfinite_write": jax.eval_shape(_states.WriteRecord.empty, []),
   }
   for field, empty in records.items():
     record = getattr(state, field)

@@ -19,16 +19,16 @@ __all__: list[str] = []
 
 def hoist(
   fun: Callable[..., Any], operands: tuple[Any, ...]
-) -> tuple[Callable[[Any, Any], Any], list[Any], Any]:
-  """`fun` traced once, as a function of (its closed-over values, operands),
-  and the shapes of its outputs.
+) -> tuple[Callable[..., Any], list[Any], Any]:
+  """`fun` traced once, as a function of its closed-over values followed by
+  its operands, and the shapes of its outputs.
 
   Every value `fun` closes over is hoisted, tracers of any dtype included
   (`jax.closure_convert` keeps integer ones closed over).
   """
   closed, shapes = jax.make_jaxpr(fun, return_shape=True)(*operands)
 
-  def replay(consts: Any, operands: Any) -> Any:
+  def replay(consts: Any, *operands: Any) -> Any:
     flat = jax.core.eval_jaxpr(closed.jaxpr, consts, *jax.tree.leaves(operands))
     return jax.tree.unflatten(jax.tree.structure(shapes), flat)
 
@@ -62,11 +62,7 @@ def switch(
   funs, consts, _ = zip(*(hoist(f, operands) for f in branches), strict=True)
 
   def plain(index: Any, consts: Any, operands: Any) -> Any:
-    bound = [
-      lambda *ops, f=f, c=c: f(c, ops)
-      for f, c in zip(funs, consts, strict=True)
-    ]
-    return _nested(index, bound, operands)
+    return _nested(index, list(map(functools.partial, funs, consts)), operands)
 
   run = jax.custom_batching.custom_vmap(plain)
   run.def_vmap(functools.partial(_batched, plain, funs))
@@ -110,7 +106,7 @@ def _batched(
     )
   else:
     cases = [
-      jax.vmap(f, in_axes=(a, axes[2]), axis_size=size)(c, operands)
+      jax.vmap(f, in_axes=(a, *axes[2]), axis_size=size)(c, *operands)
       for f, c, a in zip(funs, consts, axes[1], strict=True)
     ]
     out = jax.tree.map(lambda *leaves: _select(index, leaves), *cases)

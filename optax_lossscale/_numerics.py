@@ -71,9 +71,8 @@ class Piece(NamedTuple):
 
 
 def _rows(vectors: list[jax.Array]) -> jax.Array:
-  """The vectors as the rows of a matrix, padded with zeros to an even
-  length (float16 is read in pairs: `_square_sum`)."""
-  longest = max(x.size + x.size % 2 for x in vectors)
+  """The vectors as the rows of a matrix, padded with zeros."""
+  longest = max(x.size for x in vectors)
   # `jnp.pad` only where needed: it is a jitted call, one more per leaf.
   pad = lambda x: jnp.pad(x, (0, longest - x.size))  # noqa: E731
   return jnp.stack([pad(x) if x.size < longest else x for x in vectors])
@@ -123,7 +122,8 @@ def squares(
   for piece in read:
     x = piece.array
     parts = (jnp.real(x), jnp.imag(x)) if jnp.iscomplexobj(x) else (x,)
-    sums = [_square_sum(p) for p in parts]
+    wide = [p.astype(jnp.float32) if p.dtype.itemsize < 4 else p for p in parts]
+    sums = [jnp.sum(jnp.square(p)).astype(jnp.float32) for p in wide]
     key = (varying_axes(x) & frozenset(names), piece.trained)
     by_axes.setdefault(key, []).append(sum(sums[1:], sums[0]))
   out = [jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)]
@@ -131,36 +131,6 @@ def squares(
     total = sum(sums[1:], sums[0])
     out[1 - trained] += lax.psum(total, tuple(axes)) if axes else total
   return out[0], out[1]
-
-
-def _square_sum(x: jax.Array) -> jax.Array:
-  """The sum of the squares of `x`'s elements, float32; not finite if one
-  of them is not, and never NaN."""
-  if x.dtype != jnp.float16 or x.size % 2 or not _whole(x):
-    return jnp.sum(jnp.square(x.astype(jnp.float32)))
-  # XLA:CPU widens float16 to float32 an element at a time: up to 11x the
-  # time of `jnp.all(jnp.isfinite(x))` (benchmarks/finite_sweep.py, before).
-  # Read as uint32, each pair of elements is widened exactly by integer
-  # operations that it vectorises: a magnitude's bits, shifted and
-  # rebiased, are a float32 (a subnormal one is twice that less 2**-14).
-  pair = lax.bitcast_convert_type(x.reshape(-1, 2), jnp.uint32)
-  halves = [pair & 0x7FFF, (pair >> 16) & 0x7FFF]
-  total = jnp.zeros(pair.shape, jnp.float32)
-  for h in halves:
-    f = lax.bitcast_convert_type((h << 13) + 0x38000000, jnp.float32)
-    total += jnp.square(jnp.where(h < 0x400, f * 2 - 2.0**-14, f))
-  # The sum beside the largest magnitude, in one variadic reduction, which
-  # XLA:CPU fuses with the lines above; a sum alone went to a library that
-  # wrote `total` out first: 2.4x slower on 20 leaves of 1M elements.
-  both = lambda a, b: (a[0] + b[0], jnp.maximum(a[1], b[1]))  # noqa: E731
-  start = (jnp.float32(0), jnp.uint32(0))
-  out, top = lax.reduce((total, jnp.maximum(*halves)), start, both, (0,))
-  return jnp.where(top >= 0x7C00, jnp.inf, out)  # an inf or a NaN in `x`
-
-
-def sum_of_squares(leaves: Sequence[Any], axis_name: AxisName) -> jax.Array:
-  """The sum of the squares of the leaves' elements (see `squares`)."""
-  return squares(pieces(leaves), axis_name)[0]
 
 
 def flags(read: Sequence[Piece], n: int, unscale: Any = None) -> jax.Array:

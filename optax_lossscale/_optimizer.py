@@ -316,7 +316,7 @@ class LossScaleOptimizer:
     own += [jnp.zeros((), jnp.int32) for _ in range(4)]
     own.append(SkipRecord.empty(self.loss_scale(), names))
     own.append(jnp.zeros((), jnp.int32))
-    own.append(WriteRecord.empty(len(names)))
+    own.append(WriteRecord.empty(names))
     own += [jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)]
     return LossScaleOptimizerState._make(own)
 
@@ -453,8 +453,7 @@ class LossScaleOptimizer:
     if max_retries == 0:
       value, grads = value_and_grad(state.loss_scale, params, *args, **kwargs)
       extra = {"value": loss_of(value)}
-      params, state = self._step(call, grads, state, params, extra, True)
-      return value, params, state
+      return value, *self._step(call, grads, state, params, extra, True)
 
     def finish(found: _retry.Attempt, operand: Any) -> Any:
       params, state = operand
@@ -514,9 +513,8 @@ class LossScaleOptimizer:
     skip = self.skip_nonfinite
     loss_scale, should_apply = decide(attempt.loss_scale, checks, skip)
     if not isinstance(retries, int):  # the scale moves as for one overflow
-      first = checks.grads_finite & (retries == 0)
-      first_checks = checks._replace(grads_finite=first)
-      loss_scale = decide(state.loss_scale, first_checks, skip)[0]
+      first = checks._replace(grads_finite=checks.grads_finite & (retries == 0))
+      loss_scale = decide(state.loss_scale, first, skip)[0]
     index, closes, counters = self._schedule(state, should_apply, attempt.held)
     # The skip stays branch 0, which XLA passes donated buffers through
     # uncopied (jax#39449; tests/test_accelerator_ready.py).
@@ -586,8 +584,8 @@ class LossScaleOptimizer:
     def apply(params: Any, inner: Any, wrote: Any) -> Any:
       g, norm = self._gradient(step, kept), checks.norm
       if window:  # the window's norm
-        squares = _numerics.sum_of_squares(jax.tree.leaves(g), self.axis_name)
-        norm = jnp.sqrt(squares)
+        read = _numerics.pieces(jax.tree.leaves(g))
+        norm = jnp.sqrt(_numerics.squares(read, self.axis_name)[0])
       g = self._clip(g, norm, checks.grads_finite)
       updates, new = update(g, opt(inner), masked(step.mask, params))
       if window:
@@ -604,8 +602,7 @@ class LossScaleOptimizer:
     if self.max_norm is None:
       return g
     keep = (norm < self.max_norm) | ~finite
-    clip = jnp.where(keep, 1.0, self.max_norm / norm)
-    return multiply_floats(g, clip)
+    return multiply_floats(g, jnp.where(keep, 1.0, self.max_norm / norm))
 
   def _gradient(self, step: _Step, kept: jax.Array) -> Any:
     """The unscaled gradients; under accumulation, the window's mean (or
@@ -646,7 +643,7 @@ class LossScaleOptimizer:
       like = jax.eval_shape(update, *operands)[0]
     elif not fused:  # `inner` may return another dtype or structure
       replay, consts, (like, _) = _cond.hoist(update, operands)
-      update = lambda *operands: replay(consts, operands)  # noqa: E731
+      update = lambda *operands: replay(consts, *operands)  # noqa: E731
 
     def output(params: Any, updates: Any, assign: Any) -> Any:
       if not fused:

@@ -345,5 +345,4 @@ class SkipMonitor:
         _stop_message(state, worst, limit, batched),
         _report(state, worst, batched),
       )
-    streak = lambda r: consecutive[r.member or 0]  # noqa: E731
-    return max(reports, key=streak, default=None)
+    return max(reports, key=lambda r: consecutive[r.member or 0], default=None)

@@ -138,9 +138,9 @@ class WriteRecord:
   nonfinite: jax.Array
 
   @classmethod
-  def empty(cls, leaves: int) -> WriteRecord:
-    """The record of no such step, for parameters of `leaves` leaves."""
-    return cls(jnp.full((), -1, jnp.int32), jnp.zeros((leaves,), jnp.bool_))
+  def empty(cls, names: Sequence[str]) -> WriteRecord:
+    """The record of no such step, for parameters whose leaves are `names`."""
+    return cls(jnp.full((), -1, jnp.int32), jnp.zeros(len(names), jnp.bool_))
 
 
 class LossScaleOptimizerState(NamedTuple):
