@@ -500,12 +500,12 @@ def _plot(
   fig.savefig(path, dpi=90)
 
 
-# `--quick`: a first look in seconds (and the test's run): the steps and
-# batch size that `--steps` and `--batch-size` otherwise default to.
+# `--quick`: a first look in seconds: the steps and batch size that
+# `--steps` and `--batch-size` otherwise default to.
 QUICK_STEPS, QUICK_BATCH_SIZE = 15, 32
 
 
-def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   """The command line's arguments; exits with a message if one is invalid."""
   parser = argparse.ArgumentParser(
     prog="python -m optax_lossscale.demo",
@@ -548,7 +548,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
   return args
 
 
-def _setting(args: argparse.Namespace) -> str:
+def setting(args: argparse.Namespace) -> str:
   """What the demo trains, and what its table's columns mean."""
   return (
     f"Setting: {DEPTH} sigmoid layers of width {WIDTH} (LeCun-normal"
@@ -571,10 +571,10 @@ def _setting(args: argparse.Namespace) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
-  args = _parse(argv)
+  args = parse_args(argv)
   for module in ("sklearn.datasets", "tqdm", "matplotlib"):
     _require(module)
-  print(_setting(args))
+  print(setting(args))
   start = time.perf_counter()
   data = _load_digits(args.seed)
   results = [train(name, dtype, ls, data, args) for name, dtype, ls in RUNS]
