@@ -133,6 +133,13 @@ def squares(
   return out[0], out[1]
 
 
+def root(sum_of_squares: jax.Array) -> jax.Array:
+  """The norm from a sum of squares: inf, not NaN, when the sum is NaN, so
+  that a skipped step's outputs stay free of NaN, which `jax_debug_nans`
+  checks under `jit`."""
+  return jnp.where(jnp.isnan(sum_of_squares), jnp.inf, jnp.sqrt(sum_of_squares))
+
+
 def flags(read: Sequence[Piece], n: int, unscale: Any = None) -> jax.Array:
   """Per leaf of `n`, True iff all it holds is finite: a bool vector, local.
 

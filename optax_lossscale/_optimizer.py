@@ -187,7 +187,9 @@ class LossScaleOptimizer:
     loss_scale: the initial loss scale.
     max_norm: clip the unscaled gradients (under accumulation, the window's
       gradient) by their global norm, as `optax.clip_by_global_norm` first
-      in `inner` would; None does not clip.
+      in `inner` would; None does not clip. Gradients that are not finite
+      (applied with `skip_nonfinite=False`), and a window whose norm is not
+      finite, are applied unclipped: 0 * inf would make a NaN.
     skip_nonfinite: skip non-finite steps even when the loss scale would
       apply them (`FixedLossScale`, `NoOpLossScale`). False gives
       TensorFlow's exact behaviour.
@@ -582,11 +584,16 @@ class LossScaleOptimizer:
       return output(params, None, kept), new, wrote, checks.norm
 
     def apply(params: Any, inner: Any, wrote: Any) -> Any:
-      g, norm = self._gradient(step, kept), checks.norm
-      if window:  # the window's norm
+      g, norm, finite = (
+        self._gradient(step, kept),
+        checks.norm,
+        checks.grads_finite,
+      )
+      if window:  # the window's norm, not the micro-batch's verdict
         read = _numerics.pieces(jax.tree.leaves(g))
-        norm = jnp.sqrt(_numerics.squares(read, self.axis_name)[0])
-      g = self._clip(g, norm, checks.grads_finite)
+        norm = _numerics.root(_numerics.squares(read, self.axis_name)[0])
+        finite = jnp.isfinite(norm)
+      g = self._clip(g, norm, finite)
       updates, new = update(g, opt(inner), masked(step.mask, params))
       if window:
         zeros = optax.tree.zeros_like(inner.acc_grads)
@@ -597,8 +604,8 @@ class LossScaleOptimizer:
 
   def _clip(self, g: Any, norm: jax.Array, finite: jax.Array) -> Any:
     """`g` clipped to `max_norm` by its global `norm`. Gradients that are not
-    finite (applied with `skip_nonfinite=False`) are left as they are: 0 *
-    inf would make a NaN."""
+    `finite` (applied with `skip_nonfinite=False`; a window whose norm is
+    not) are left as they are: 0 * inf would make a NaN."""
     if self.max_norm is None:
       return g
     keep = (norm < self.max_norm) | ~finite

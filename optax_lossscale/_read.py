@@ -64,9 +64,7 @@ def check(
   # every step checks each leaf exactly.
   squares = _numerics.squares(read, axis_name)
   scale = loss_scale()
-  # inf, not NaN, for any non-finite gradient: a skipped step's outputs stay
-  # free of NaN, which `jax_debug_nans` checks under `jit`.
-  norm = jnp.where(jnp.isnan(squares[0]), jnp.inf, jnp.sqrt(squares[0]))
+  norm = _numerics.root(squares[0])
   local = [jnp.isfinite(squares[0] + squares[1]) & (scale >= 1)]
   if value is not None:
     local.append(jnp.all(jnp.isfinite(value)))

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.experimental import checkify
 
 import optax_lossscale as ols
 
@@ -153,8 +154,9 @@ def test_the_scale_moves_once_per_window_and_at_once_on_an_overflow(
 
 
 # The loop, as PyTorch, DeepSpeed and Megatron-LM run it: 24
-# micro-batches, k = 4, micro-batches 5, 6 and 13 overflowing.
-LOOP = [i not in (5, 6, 13) for i in range(24)]
+# micro-batches, k = 4, micro-batches 5, 6 and 13 overflowing; and 19, the
+# last of its window, which then steps (and clips) on the three it kept.
+LOOP = [i not in (5, 6, 13, 19) for i in range(24)]
 
 
 @pytest.mark.parametrize("mean", [True, False])
@@ -198,7 +200,29 @@ def test_windows_follow_the_loop_and_clip_the_mean_of_the_kept_ones(
   assert norms == pytest.approx(reference.norms, rel=1e-5)
   assert max(norms) > 1.0  # the clip acted
   chex.assert_trees_all_close(params, expected, rtol=2e-5, atol=1e-6)
-  assert int(state.skipped_steps) == 3 and int(state.accumulated) == 0
+  assert int(state.skipped_steps) == LOOP.count(False)
+  assert int(state.accumulated) == 0
+
+
+def test_a_window_holding_an_applied_inf_is_not_clipped_into_a_nan():
+  # skip_nonfinite=False keeps an inf micro-batch; the window's sum holds
+  # it, and its norm is inf, though the last micro-batch is finite. The
+  # clip leaves such a window as it is: 0 * inf would be NaN.
+  multi = optax.MultiSteps(optax.sgd(1.0), 2, use_grad_mean=False)
+  tx = ols.LossScaleOptimizer(
+    multi, ols.NoOpLossScale(), max_norm=1.0, skip_nonfinite=False
+  )
+  step = jax.jit(
+    checkify.checkify(tx.apply_gradients, errors=checkify.nan_checks)
+  )
+  params = {"w": jnp.zeros(2)}
+  state = tx.init(params)
+  for g in ([jnp.inf, 1.0], [1.0, 1.0]):
+    error, (params, state) = step({"w": jnp.array(g)}, state, params)
+    assert error.get() is None
+  assert bool(multi.has_updated(state.inner_state))
+  assert float(state.grad_norm) == np.inf
+  np.testing.assert_array_equal(params["w"], [-np.inf, -2.0])
 
 
 def test_a_window_that_kept_none_is_skipped():
