@@ -517,7 +517,9 @@ class LossScaleOptimizer:
     if not isinstance(retries, int):  # the scale moves as for one overflow
       first = checks._replace(grads_finite=checks.grads_finite & (retries == 0))
       loss_scale = decide(state.loss_scale, first, skip)[0]
-    index, closes, counters = self._schedule(state, should_apply, attempt.held)
+    index, closes, counters = self._schedule(
+      call, state, should_apply, attempt.held
+    )
     # The skip stays branch 0, which XLA passes donated buffers through
     # uncopied (jax#39449; tests/test_accelerator_ready.py).
     out, inner, wrote, norm = _cond.switch(
@@ -541,7 +543,11 @@ class LossScaleOptimizer:
     return out, new
 
   def _schedule(
-    self, state: LossScaleOptimizerState, should_apply: Any, held: Any
+    self,
+    call: str,
+    state: LossScaleOptimizerState,
+    should_apply: Any,
+    held: Any,
   ) -> tuple[jax.Array, jax.Array, tuple[jax.Array, ...] | None]:
     """The branch, whether a window closes, and the window's counters.
 
@@ -552,6 +558,12 @@ class LossScaleOptimizer:
     if self._every_k is None:
       return applies, jnp.array(True), None
     window, held = state.inner_state, jnp.asarray(held)
+    if not isinstance(window, optax.MultiStepsState):
+      raise TypeError(
+        f"`{call}`: `inner` is an `optax.MultiSteps`, so the state's"
+        f" `inner_state` must be its MultiStepsState, got"
+        f" {_validation.describe(window)}: pass the state `init` returned."
+      )
     closes = window.mini_step + 1 >= self._every_k(window.gradient_step)
     kept = state.accumulated + applies
     # A held attempt skips: the retry that follows it may close the window.

@@ -225,6 +225,15 @@ def test_a_window_holding_an_applied_inf_is_not_clipped_into_a_nan():
   np.testing.assert_array_equal(params["w"], [-np.inf, -2.0])
 
 
+@pytest.mark.parametrize("entry", ["update", "apply_gradients"])
+def test_a_state_of_another_optimizer_is_refused_by_name(entry):
+  params = {"w": jnp.ones(2)}
+  plain = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale(8.0))
+  tx = ols.LossScaleOptimizer(_inner(), ols.DynamicLossScale(8.0))
+  with pytest.raises(TypeError, match=r"`inner_state` must be its Multi"):
+    getattr(tx, entry)(params, plain.init(params), params)
+
+
 def test_a_window_that_kept_none_is_skipped():
   tx = ols.LossScaleOptimizer(_inner(), ols.DynamicLossScale(2.0**10))
   params = {"w": jnp.ones(3), "b": jnp.zeros(2)}
