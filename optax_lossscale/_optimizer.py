@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -130,6 +131,27 @@ def _next_state(
   )
 
 
+def _accumulation(
+  call: str, multi: optax.MultiSteps | None
+) -> tuple[Any, bool]:
+  """The windows an `optax.MultiSteps` asks for: their length (None: no
+  accumulation) and mean.
+
+  `MultiSteps` has no public accessor for them (Optax 0.2.8): they are read
+  from its attributes, once (tests/test_accumulation.py would see a rename).
+  """
+  if multi is None:
+    return None, True
+  skip = multi._should_skip_update_fn
+  if "MultiSteps.__init__" not in getattr(skip, "__qualname__", ""):
+    raise ValueError(
+      f"`{call}(inner=...)` must be an `optax.MultiSteps` without a"
+      f" `should_skip_update_fn`, got {_validation.describe(skip)}: each"
+      " non-finite micro-batch is dropped before it is accumulated."
+    )
+  return multi._every_k_schedule, multi._use_grad_mean
+
+
 class LossScaleOptimizer:
   """Wraps an optimizer with loss scaling: unscale, check, clip, update or skip.
 
@@ -242,22 +264,9 @@ class LossScaleOptimizer:
     overwrite_with_gradient: Any = None,
   ) -> None:
     call = "LossScaleOptimizer"
-    # Under accumulation, the windows' length (None: no accumulation) and
-    # mean, and the `optax.MultiSteps` that asks for them.
-    self._multi, self._every_k, self._mean = None, None, True
-    if isinstance(inner, optax.MultiSteps):
-      skip = inner._should_skip_update_fn
-      if "MultiSteps.__init__" not in getattr(skip, "__qualname__", ""):
-        raise ValueError(
-          f"`{call}(inner=...)` must be an `optax.MultiSteps` without a"
-          f" `should_skip_update_fn`, got {_validation.describe(skip)}: each"
-          " non-finite micro-batch is dropped before it is accumulated."
-        )
-      # `MultiSteps` has no public accessor for them (Optax 0.2.8): they are
-      # read from its attributes, once (tests/test_accumulation.py would see
-      # a rename).
-      self._every_k, self._mean = inner._every_k_schedule, inner._use_grad_mean
-      self._multi, inner = inner, inner.inner_opt
+    self._multi = inner if isinstance(inner, optax.MultiSteps) else None
+    self._every_k, self._mean = _accumulation(call, self._multi)
+    inner = inner if self._multi is None else self._multi.inner_opt
     if not isinstance(inner, optax.GradientTransformation):
       swapped = isinstance(inner, LossScale)
       order = "; the arguments are (inner, loss_scale)" if swapped else ""
@@ -662,7 +671,7 @@ class LossScaleOptimizer:
       like = jax.eval_shape(update, *operands)[0]
     elif not fused:  # `inner` may return another dtype or structure
       replay, consts, (like, _) = _cond.hoist(update, operands)
-      update = lambda *operands: replay(consts, *operands)  # noqa: E731
+      update = functools.partial(replay, consts)
 
     def output(params: Any, updates: Any, assign: Any) -> Any:
       if not fused:

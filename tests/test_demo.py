@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import builtins
 import importlib
+import os
 import pathlib
 import re
 import subprocess
@@ -15,13 +16,18 @@ from optax_lossscale import demo
 
 pytestmark = pytest.mark.usefixtures("standard_promotion")
 
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
 
 @pytest.mark.slow  # `.ci/run` runs it as its demo step
 def test_the_readme_demo_runs_and_shows_its_point(tmp_path):
-  # The README's second command, as a reader runs it, in a fresh directory.
+  # The README's second command, as a reader runs it, in a fresh directory,
+  # on this checkout, with warnings as errors (as pytest makes them here).
   command = [sys.executable, "-m", "optax_lossscale.demo"]
+  warnings = "error,ignore:Some donated buffers were not usable:UserWarning"
+  env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS=warnings)
   run = subprocess.run(
-    command, cwd=tmp_path, capture_output=True, text=True, timeout=600
+    command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
   )
   assert run.returncode == 0, run.stdout + run.stderr
   out = tmp_path / "lossscale_demo.png"
@@ -49,8 +55,9 @@ def test_the_readme_demo_runs_and_shows_its_point(tmp_path):
     assert abs(scaled[0] - f32[0]) < 0.05 and scaled[4] == 0  # none skipped
   assert "Setting:" in printed and "--quick" not in printed
   # The demo injects its faults a third and two thirds of the way through.
+  steps = demo.parse_args([]).steps
   _check_failure_modes(
-    printed, nan_step=400 // 3 - 1, overflow_step=800 // 3 - 1
+    printed, nan_step=steps // 3 - 1, overflow_step=2 * steps // 3 - 1
   )
   _check_dropped_batches(printed)
 
@@ -142,11 +149,10 @@ def test_demo_rejects_non_positive_steps():
 def test_the_readme_shows_the_table_the_demo_wrote():
   # The README's demo table is the one the demo wrote beside the committed
   # plot (`python -m optax_lossscale.demo --out docs/lossscale_demo.png`).
-  root = pathlib.Path(__file__).resolve().parent.parent
-  written = (root / "docs" / "lossscale_demo.txt").read_text().splitlines()
+  written = (ROOT / "docs" / "lossscale_demo.txt").read_text().splitlines()
   assert written[0] == (
     "python -m optax_lossscale.demo --out docs/lossscale_demo.png"
   )
-  readme = (root / "README.md").read_text()
+  readme = (ROOT / "README.md").read_text()
   shown = readme.split("<!-- demo-table -->\n```text\n")[1].split("```")[0]
   assert shown.splitlines() == written  # command, machine, date, table

@@ -267,9 +267,9 @@ def test_float16_gradients_give_the_norm_of_every_value_exactly():
     got, applied = norm(pair)
     np.testing.assert_array_equal(got, np.where(finite, np.abs(wide), np.inf))
     np.testing.assert_array_equal(applied, finite)
-  # Large leaves, read in place, of even and odd sizes, and small ones of
-  # odd sizes, stacked; apart, one of 4M elements, where a float32 sum in
-  # order would lose 7e-5 of the norm: each norm to float32's rounding.
+  # Large leaves, read in place, and small ones, stacked; apart, one of 4M
+  # elements, where a float32 sum in order would lose 2e-3 of the norm:
+  # each norm to float32's rounding.
   rng = np.random.default_rng(0)
   every = rng.permutation(wide[finite])
   grads = {
