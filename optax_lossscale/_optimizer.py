@@ -605,11 +605,8 @@ class LossScaleOptimizer:
       return output(params, None, kept), new, wrote, checks.norm
 
     def apply(params: Any, inner: Any, wrote: Any) -> Any:
-      g, norm, finite = (
-        self._gradient(step, kept),
-        checks.norm,
-        checks.grads_finite,
-      )
+      g = self._gradient(step, kept)
+      norm, finite = checks.norm, checks.grads_finite
       if window:  # the window's norm, not the micro-batch's verdict
         read = _numerics.pieces(jax.tree.leaves(g))
         norm = _numerics.root(_numerics.squares(read, self.axis_name)[0])
