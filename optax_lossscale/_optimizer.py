@@ -594,6 +594,11 @@ class LossScaleOptimizer:
     grads = masked(step.mask, step.attempt.grads)
     given = state.inner_state.acc_grads if window else grads
     output, update = self._output(step, given, opt(state.inner_state))
+    # The clip multiplies the unscaling: one scalar per step, computed
+    # outside the conditional, since XLA copies a scalar computed inside it
+    # into every leaf's kernel (first compile at 400 leaves: +0.15x).
+    clip = 1.0 if window else self._factor(checks.norm, checks.grads_finite)
+    factor = step.attempt.loss_scale.unscale(jnp.asarray(clip, jnp.float32))
 
     def skip(params: Any, inner: Any, wrote: Any) -> Any:
       new = _write_record(state, params, self.axis_name)
@@ -601,17 +606,15 @@ class LossScaleOptimizer:
       return output(params, None, False), inner, new, checks.norm
 
     def accumulate(params: Any, inner: Any, wrote: Any) -> Any:
-      new = inner._replace(acc_grads=self._gradient(step, kept))
+      new = inner._replace(acc_grads=self._gradient(step, kept, factor))
       return output(params, None, kept), new, wrote, checks.norm
 
     def apply(params: Any, inner: Any, wrote: Any) -> Any:
-      g = self._gradient(step, kept)
-      norm, finite = checks.norm, checks.grads_finite
+      g, norm = self._gradient(step, kept, factor), checks.norm
       if window:  # the window's norm, not the micro-batch's verdict
         read = _numerics.pieces(jax.tree.leaves(g))
         norm = _numerics.root(_numerics.squares(read, self.axis_name)[0])
-        finite = jnp.isfinite(norm)
-      g = self._clip(g, norm, finite)
+        g = multiply_floats(g, self._factor(norm, jnp.isfinite(norm)))
       updates, new = update(g, opt(inner), masked(step.mask, params))
       if window:
         zeros = optax.tree.zeros_like(inner.acc_grads)
@@ -620,21 +623,21 @@ class LossScaleOptimizer:
 
     return [skip, accumulate, apply] if window else [skip, apply]
 
-  def _clip(self, g: Any, norm: jax.Array, finite: jax.Array) -> Any:
-    """`g` clipped to `max_norm` by its global `norm`. Gradients that are not
-    `finite` (applied with `skip_nonfinite=False`; a window whose norm is
-    not) are left as they are: 0 * inf would make a NaN."""
+  def _factor(self, norm: jax.Array, finite: jax.Array) -> jax.Array:
+    """What clips gradients of global `norm` to `max_norm` (1 without it).
+    Gradients that are not `finite` (applied with `skip_nonfinite=False`; a
+    window whose norm is not) are left as they are: 0 * inf is a NaN."""
     if self.max_norm is None:
-      return g
+      return jnp.ones((), jnp.float32)
     keep = (norm < self.max_norm) | ~finite
-    return multiply_floats(g, jnp.where(keep, 1.0, self.max_norm / norm))
+    return jnp.where(keep, 1.0, self.max_norm / norm)
 
-  def _gradient(self, step: _Step, kept: jax.Array) -> Any:
-    """The unscaled gradients; under accumulation, the window's mean (or
-    sum), with this micro-batch if it is kept: `optax.MultiSteps`' running
-    mean, in the accumulator's dtype."""
-    grads, loss_scale = step.attempt.grads, step.attempt.loss_scale
-    unscaled = masked(step.mask, loss_scale.unscale(grads))
+  def _gradient(self, step: _Step, kept: jax.Array, factor: jax.Array) -> Any:
+    """The gradients times `factor` (the unscaling, and the clip); under
+    accumulation, the window's mean (or sum), with this micro-batch if it is
+    kept: `optax.MultiSteps`' running mean, in the accumulator's dtype."""
+    grads = step.attempt.grads
+    unscaled = masked(step.mask, multiply_floats(grads, factor))
     if self._every_k is None:
       return unscaled
     n = (step.state.accumulated + 1).astype
