@@ -468,6 +468,21 @@ def _eqns_of(eqn):
     yield from _eqns(sub)
 
 
+def test_the_clip_adds_nothing_inside_the_cond():
+  # XLA copies a scalar computed inside a conditional into each leaf's
+  # kernel: the clip factor is computed before it and multiplies the
+  # unscaling, so that the applied branch is the same with and without it.
+  def applied(max_norm):
+    tx = ols.LossScaleOptimizer(
+      optax.adam(0.1), ols.DynamicLossScale(), max_norm=max_norm
+    )
+    (cond,), _ = _conds(_step_jaxpr("apply_gradients", tx, _params()), 3)
+    branch = cond.params["branches"][1].jaxpr
+    return sorted(e.primitive.name for e in _eqns(branch))
+
+  assert applied(1.0) == applied(None)
+
+
 def test_the_write_record_is_written_in_the_skip_branch_only():
   tx = ols.LossScaleOptimizer(optax.adam(0.1), ols.DynamicLossScale())
   params = _params()
