@@ -526,17 +526,21 @@ class LossScaleOptimizer:
     if not isinstance(retries, int):  # the scale moves as for one overflow
       first = checks._replace(grads_finite=checks.grads_finite & (retries == 0))
       loss_scale = decide(state.loss_scale, first, skip)[0]
-    index, closes, counters = self._schedule(
-      call, state, should_apply, attempt.held
-    )
-    # The skip stays branch 0, which XLA passes donated buffers through
-    # uncopied (jax#39449; tests/test_accelerator_ready.py).
-    out, inner, wrote, norm = _cond.switch(
-      index,
-      self._branches(step, should_apply),
-      *(params, state.inner_state, state.last_nonfinite_write),
-      sharded_like=grads,
-    )
+    try:  # `inner` reads its state here
+      index, closes, counters = self._schedule(
+        state, should_apply, attempt.held
+      )
+      # The skip stays branch 0, which XLA passes donated buffers through
+      # uncopied (jax#39449; tests/test_accelerator_ready.py).
+      out, inner, wrote, norm = _cond.switch(
+        index,
+        self._branches(step, should_apply),
+        *(params, state.inner_state, state.last_nonfinite_write),
+        sharded_like=grads,
+      )
+    except Exception as error:
+      self._foreign(call, step, error)
+      raise
     # A kept micro-batch in an open window holds the scale (unless retried).
     hold = should_apply & ~closes & (retries == 0)
     loss_scale = tree_where(hold, state.loss_scale, loss_scale)
@@ -551,12 +555,21 @@ class LossScaleOptimizer:
       new = tree_where(attempt.held, state._replace(inner_state=inner), new)
     return out, new
 
+  def _foreign(self, call: str, step: _Step, error: Exception) -> None:
+    """Raises a `TypeError` naming `inner_state` if the step's is not of the
+    structure `init` gives: a step that failed (`error`) on another
+    optimizer's state says so."""
+    given = step.attempt.grads if step.params is None else step.params
+    init, got = (self._multi or self.inner).init, step.state.inner_state
+    like = jax.eval_shape(init, masked(step.mask, given))
+    if jax.tree.structure(like) != jax.tree.structure(got):  # type: ignore[operator]
+      raise TypeError(
+        f"`{call}`: the state's `inner_state` is not `inner`'s, got"
+        f" {_validation.describe(got)}: pass the state `init` returned."
+      ) from error
+
   def _schedule(
-    self,
-    call: str,
-    state: LossScaleOptimizerState,
-    should_apply: Any,
-    held: Any,
+    self, state: LossScaleOptimizerState, should_apply: Any, held: Any
   ) -> tuple[jax.Array, jax.Array, tuple[jax.Array, ...] | None]:
     """The branch, whether a window closes, and the window's counters.
 
@@ -567,12 +580,6 @@ class LossScaleOptimizer:
     if self._every_k is None:
       return applies, jnp.array(True), None
     window, held = state.inner_state, jnp.asarray(held)
-    if not isinstance(window, optax.MultiStepsState):
-      raise TypeError(
-        f"`{call}`: `inner` is an `optax.MultiSteps`, so the state's"
-        f" `inner_state` must be its MultiStepsState, got"
-        f" {_validation.describe(window)}: pass the state `init` returned."
-      )
     closes = window.mini_step + 1 >= self._every_k(window.gradient_step)
     kept = state.accumulated + applies
     # A held attempt skips: the retry that follows it may close the window.

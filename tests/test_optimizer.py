@@ -1032,6 +1032,44 @@ def test_a_state_of_another_transformation_is_refused(entry):
       getattr(tx, entry)(params, foreign, params)
 
 
+@pytest.mark.parametrize(
+  "entry", ["update", "apply_gradients", "minimize", "transformation"]
+)
+@pytest.mark.parametrize(
+  ("inner", "other"),
+  [
+    (optax.adamw(0.1), optax.sgd(0.1)),  # Optax: "updates and states"
+    (optax.sgd(0.1, momentum=0.9), optax.adam(0.1)),  # an AttributeError
+    (optax.adabelief(0.1), optax.adam(0.1)),  # the cond's branches differ
+  ],
+)
+def test_an_inner_state_of_another_optimizer_is_refused_by_name(
+  entry, inner, other
+):
+  params = {"w": jnp.ones(2)}
+  tx = ols.LossScaleOptimizer(inner, ols.DynamicLossScale(8.0))
+  wrong = ols.LossScaleOptimizer(other, ols.DynamicLossScale(8.0))
+  state = wrong.init(params)
+  with pytest.raises(TypeError, match=r"`inner_state` is not `inner`'s"):
+    if entry == "minimize":
+      tx.minimize(lambda p: jnp.sum(p["w"]), params, state)
+    elif entry == "transformation":
+      tx.gradient_transformation().update(params, state, params)
+    else:
+      jax.jit(getattr(tx, entry))(params, state, params)
+
+
+def test_an_error_of_inner_itself_is_raised_as_it_is():
+  def update(updates, state, params=None):
+    raise ValueError("inner's own error")
+
+  inner = optax.GradientTransformation(optax.sgd(0.1).init, update)
+  tx = ols.LossScaleOptimizer(inner, ols.DynamicLossScale(8.0))
+  params = {"w": jnp.ones(2)}
+  with pytest.raises(ValueError, match="inner's own error"):
+    tx.apply_gradients(params, tx.init(params), params)
+
+
 def test_a_loss_that_is_not_floating_point_is_refused():
   tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale())
   params = {"w": jnp.ones(2)}
