@@ -601,11 +601,12 @@ class LossScaleOptimizer:
     grads = masked(step.mask, step.attempt.grads)
     given = state.inner_state.acc_grads if window else grads
     output, update = self._output(step, given, opt(state.inner_state))
-    # The clip multiplies the unscaling: one scalar per step, computed
-    # outside the conditional, since XLA copies a scalar computed inside it
-    # into every leaf's kernel (first compile at 400 leaves: +0.15x).
-    clip = 1.0 if window else self._factor(checks.norm, checks.grads_finite)
-    factor = step.attempt.loss_scale.unscale(jnp.asarray(clip, jnp.float32))
+    # Without accumulation the clip multiplies the unscaling: one scalar,
+    # computed outside the conditional, since XLA copies a scalar computed
+    # inside it into every leaf's kernel (benchmarks/LLM_STACK.md's compiles).
+    finite = checks.grads_finite
+    clip = jnp.float32(1) if window else self._factor(checks.norm, finite)
+    factor = step.attempt.loss_scale.unscale(clip)
 
     def skip(params: Any, inner: Any, wrote: Any) -> Any:
       new = _write_record(state, params, self.axis_name)
@@ -640,9 +641,10 @@ class LossScaleOptimizer:
     return jnp.where(keep, 1.0, self.max_norm / norm)
 
   def _gradient(self, step: _Step, kept: jax.Array, factor: jax.Array) -> Any:
-    """The gradients times `factor` (the unscaling, and the clip); under
-    accumulation, the window's mean (or sum), with this micro-batch if it is
-    kept: `optax.MultiSteps`' running mean, in the accumulator's dtype."""
+    """The gradients times `factor` (the unscaling, and without accumulation
+    the clip); under accumulation, the window's mean (or sum), with this
+    micro-batch if it is kept: `optax.MultiSteps`' running mean, in the
+    accumulator's dtype."""
     grads = step.attempt.grads
     unscaled = masked(step.mask, multiply_floats(grads, factor))
     if self._every_k is None:

@@ -1318,10 +1318,11 @@ def _clip_step(entry, tx):
     "gradient_transformation",
   ],
 )
-def test_max_norm_clips_as_optax_does_and_the_norm_is_logged(entry):
-  tx = ols.LossScaleOptimizer(
-    optax.adamw(0.1), ols.DynamicLossScale(8.0, 2), max_norm=1.5
-  )
+@pytest.mark.parametrize(
+  "loss_scale", [ols.DynamicLossScale(8.0, 2), ols.DynamicLossScale(1000.0, 2)]
+)
+def test_max_norm_clips_as_optax_does_and_the_norm_is_logged(entry, loss_scale):
+  tx = ols.LossScaleOptimizer(optax.adamw(0.1), loss_scale, max_norm=1.5)
   reference = optax.chain(optax.clip_by_global_norm(1.5), optax.adamw(0.1))
   step = _clip_step(entry, tx)
   params = expected = _params()
