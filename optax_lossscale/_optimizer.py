@@ -361,7 +361,9 @@ class LossScaleOptimizer:
         had, naming its subtrees; or if, inside `shard_map`, the gradients
         vary across devices where the state does not.
       TypeError: if `state` is not a `LossScaleOptimizerState`, or a field
-        of it was cast to another dtype (naming it), at trace time.
+        of it was cast to another dtype (naming it), at trace time; or if
+        the step fails on an `inner_state` that is not of the structure
+        `init` gives (another optimizer's state).
     """
     call = "LossScaleOptimizer.update"
     return self._step(call, grads, state, params, extra_args, fused=False)
@@ -437,7 +439,8 @@ class LossScaleOptimizer:
       ValueError: if `max_retries` is negative, or positive with a loss
         scale that cannot be lowered.
       TypeError: if `fun` is not callable, an argument has the wrong type,
-        or `fun` returns a tuple without `has_aux=True`.
+        or `fun` returns a tuple without `has_aux=True`; for the state, as
+        `update` does.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -558,14 +561,16 @@ class LossScaleOptimizer:
   def _foreign(self, call: str, step: _Step, error: Exception) -> None:
     """Raises a `TypeError` naming `inner_state` if the step's is not of the
     structure `init` gives: a step that failed (`error`) on another
-    optimizer's state says so."""
+    optimizer's state says so. Otherwise the step's own error stands."""
     given = step.attempt.grads if step.params is None else step.params
-    init, got = (self._multi or self.inner).init, step.state.inner_state
-    like = jax.eval_shape(init, masked(step.mask, given))
-    if jax.tree.structure(like) != jax.tree.structure(got):  # type: ignore[operator]
+    try:  # `inner.init` may need values, which a failed step cannot give
+      like = jax.tree.structure(jax.eval_shape(self.init, given).inner_state)
+    except Exception:
+      return
+    if like != jax.tree.structure(step.state.inner_state):  # type: ignore[operator]
       raise TypeError(
-        f"`{call}`: the state's `inner_state` is not `inner`'s, got"
-        f" {_validation.describe(got)}: pass the state `init` returned."
+        f"`{call}`: the state's `inner_state` is not of the structure `init`"
+        " gives: another optimizer's, or the parameters' containers changed."
       ) from error
 
   def _schedule(
@@ -645,8 +650,7 @@ class LossScaleOptimizer:
     the clip); under accumulation, the window's mean (or sum), with this
     micro-batch if it is kept: `optax.MultiSteps`' running mean, in the
     accumulator's dtype."""
-    grads = step.attempt.grads
-    unscaled = masked(step.mask, multiply_floats(grads, factor))
+    unscaled = masked(step.mask, multiply_floats(step.attempt.grads, factor))
     if self._every_k is None:
       return unscaled
     n = (step.state.accumulated + 1).astype
@@ -671,9 +675,7 @@ class LossScaleOptimizer:
     """
     mask, fused = step.mask, step.fused
 
-    def update(g: Any, opt_state: Any, params: Any) -> Any:
-      return self.inner.update(g, opt_state, params, **step.extra_args)
-
+    update = lambda g, s, p: self.inner.update(g, s, p, **step.extra_args)  # noqa: E731
     operands = (given, opt_state, masked(mask, step.params))
     eager = jax.config.jax_disable_jit  # type: ignore[attr-defined]
     if not fused and eager:  # `inner` as it is: its traceback whole

@@ -230,7 +230,7 @@ def test_a_state_of_another_optimizer_is_refused_by_name(entry):
   params = {"w": jnp.ones(2)}
   plain = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale(8.0))
   tx = ols.LossScaleOptimizer(_inner(), ols.DynamicLossScale(8.0))
-  with pytest.raises(TypeError, match=r"`inner_state` is not `inner`'s"):
+  with pytest.raises(TypeError, match=r"`inner_state` is not of the structure"):
     getattr(tx, entry)(params, plain.init(params), params)
 
 
