@@ -517,8 +517,7 @@ class LossScaleOptimizer:
     mask = self._mask(call, grads)
     if params is None and any(jax.tree.leaves(mask)):
       raise ValueError(f"`{call}(params=None)`: overwritten leaves need them.")
-    if attempt is None:  # `held` a Python bool: a constant array closed over
-      # by a branch fails `vmap` over Explicit-sharded members.
+    if attempt is None:  # `held` a Python bool (see `_retry.Attempt`)
       value = extra_args.get("value")
       checks = check(call, state.loss_scale, grads, value, self.axis_name, mask)
       attempt = _retry.Attempt(value, grads, state.loss_scale, checks, 0, False)
@@ -533,8 +532,6 @@ class LossScaleOptimizer:
       index, closes, counters = self._schedule(
         state, should_apply, attempt.held
       )
-      # The skip stays branch 0, which XLA passes donated buffers through
-      # uncopied (jax#39449; tests/test_accelerator_ready.py).
       out, inner, wrote, norm = _cond.switch(
         index,
         self._branches(step, should_apply),
@@ -597,7 +594,8 @@ class LossScaleOptimizer:
   def _branches(self, step: _Step, kept: jax.Array) -> list[Callable[..., Any]]:
     """The branches: skip, (accumulate,) step. Each returns the output, the
     inner state, the write record and the norm (at a window's step, the
-    window's)."""
+    window's). The skip stays branch 0, which XLA passes donated buffers
+    through uncopied (jax#39449; tests/test_accelerator_ready.py)."""
     window, state = self._every_k is not None, step.state
     checks = step.attempt.checks
     opt = lambda inner: inner.inner_opt_state if window else inner  # noqa: E731

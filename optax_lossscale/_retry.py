@@ -19,6 +19,8 @@ class Attempt(NamedTuple):
   `checks` is what the check found (`grads_finite`, `loss_finite`, agreed
   across replicas); `retries` how many attempts came before it; `held`
   whether another attempt follows, so that this one must write nothing.
+  Outside the retry loop `held` is the Python bool False: a constant array
+  closed over by a branch fails `vmap` over Explicit-sharded members.
   """
 
   value: Any
