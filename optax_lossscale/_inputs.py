@@ -29,10 +29,14 @@ def _is_variable(x: Any) -> bool:
 
 
 def leaf_names(tree: Any) -> list[str]:
-  """The names of `tree`'s leaves in reports: their key paths, an NNX
-  variable's being the variable's (without `.value`)."""
-  flat = tree_leaves_with_path(tree, is_leaf=_is_variable)
-  return [keystr(p) or "<root>" for p, x in flat for _ in jax.tree.leaves(x)]
+  """The names of `tree`'s leaves in reports, None leaves included: their
+  key paths, an NNX variable's being the variable's (without `.value`)."""
+  if tree is None:  # `init(None)`: no parameters to name
+    return []
+  stop = lambda x: x is None or _is_variable(x)  # noqa: E731
+  flat = tree_leaves_with_path(tree, is_leaf=stop)
+  count = lambda x: 1 if x is None else len(jax.tree.leaves(x))  # noqa: E731
+  return [keystr(p) or "<root>" for p, x in flat for _ in range(count(x))]
 
 
 def like_grads(params: Any) -> Any:
@@ -142,7 +146,14 @@ def check_inputs(
   _states.check_like(call, state, dtypes)
   check_structure(call, grads, params)
   slots = state.last_skip.nonfinite.shape[-1]
-  paths = tree_leaves_with_path(like_grads(params))
+  paths = tree_leaves_with_path(like_grads(params), is_leaf=lambda x: x is None)
+  if params is None and grads is not None and slots:
+    count = len(jax.tree.leaves(grads, is_leaf=lambda x: x is None))
+    if count != slots:
+      raise ValueError(
+        f"`{call}`: the gradients have {count} leaves (None included),"
+        f" `init` had {slots}."
+      )
   if params is None or not slots or len(paths) == slots:
     return
   # Not `init`'s leaves: the message names the parameters' subtrees.

@@ -293,6 +293,7 @@ class _Initial:
 
 _INITIAL: Any = _Initial()
 _positive = functools.partial(integer, minimum=1)
+_TINY = float(np.finfo(np.float32).tiny)  # below it, a scale flushes to 0
 _TENSORFLOW_KEYS = ("initial_loss_scale", "increment_period", "multiplier")
 # The state fields of a `DynamicLossScale`, with their dtypes.
 STATE_DTYPES = {
@@ -343,6 +344,7 @@ class DynamicLossScale(LossScale):
     multiplier: the factor by which the scale rises and falls; above 1.
     min_loss_scale: the floor of the scale (TensorFlow's is 1).
     max_loss_scale: the ceiling of the scale; None means float32's maximum.
+      A stored scale above it (+inf included) counts as the ceiling.
     hysteresis: how many non-finite steps it takes to lower the scale.
     consecutive_hysteresis: reset the count of non-finite steps on every
       finite step, so that only consecutive ones count (DeepSpeed's option).
@@ -353,8 +355,10 @@ class DynamicLossScale(LossScale):
   Raises:
     TypeError: if a hyperparameter has the wrong type (bools included).
     ValueError: if `increment_period < 1`, `multiplier <= 1`,
-      `hysteresis < 1`, or `0 < min_loss_scale <= initial_loss_scale <=
-      max_loss_scale` does not hold with finite float32 values.
+      `hysteresis < 1`, or `min_loss_scale <= initial_loss_scale <=
+      max_loss_scale` does not hold with finite float32 values, the least
+      of them at least float32's least normal number (about 1.18e-38: a
+      subnormal scale flushes to 0 on accelerators).
 
   Examples:
     >>> import jax.numpy as jnp
@@ -407,7 +411,11 @@ class DynamicLossScale(LossScale):
     top = np.inf if self.max_loss_scale is None else self.max_loss_scale
     for name, ok, expected in (
       ("multiplier", self.multiplier > 1, "greater than 1"),
-      ("min_loss_scale", low > 0, "greater than 0"),
+      (
+        "min_loss_scale",
+        low >= _TINY,
+        f"at least {_TINY:g}, float32's least normal number",
+      ),
       ("initial_loss_scale", init >= low, f"at least min_loss_scale ({low:g})"),
       ("max_loss_scale", top >= init, "at least initial_loss_scale"),
     ):
@@ -424,7 +432,8 @@ class DynamicLossScale(LossScale):
   def __call__(self) -> jax.Array:
     # A scale outside the bounds (restored into other ones) counts as the
     # nearest, and NaN as the floor.
-    scale = jnp.minimum(self.current_loss_scale, self.max_loss_scale or np.inf)
+    top = FLOAT32_MAX if self.max_loss_scale is None else self.max_loss_scale
+    scale = jnp.minimum(self.current_loss_scale, jnp.float32(top))
     return jnp.where(scale >= self.min_loss_scale, scale, self.min_loss_scale)
 
   def _backed_off(self) -> jax.Array:

@@ -59,15 +59,14 @@ def _stacks(indices: list[int], sizes: list[int]) -> list[list[int]]:
 class Piece(NamedTuple):
   """What one reduction reads: a leaf, or a stack of small leaves' rows.
 
-  `unscale`: it is read through the loss scale's `unscale`. `trained`: it
-  counts in the norm.
+  `overwritten`: its leaves are overwritten (FP8) leaves, read as they are
+  and not in the norm.
   """
 
   array: jax.Array
   leaves: list[int]
   rows: bool
-  unscale: bool
-  trained: bool
+  overwritten: bool
 
 
 def _rows(vectors: list[jax.Array]) -> jax.Array:
@@ -79,57 +78,68 @@ def _rows(vectors: list[jax.Array]) -> jax.Array:
 
 
 def pieces(
-  leaves: Sequence[Any], unscale: Any = None, as_is: Sequence[bool] = ()
+  leaves: Sequence[Any], overwritten: Sequence[bool] = ()
 ) -> list[Piece]:
   """The float leaves as they are read: in place, or stacked when small.
 
-  With `unscale`, every leaf but those `as_is` marks is read unscaled:
-  kept as given, and unscaled where it is read (a stack of one dtype at
-  once), so that no unscaled copy is written.
+  None and non-float leaves are in no piece. `overwritten` marks, per leaf,
+  the overwritten (FP8) ones, which are stacked apart.
   """
-  arrays = [jnp.asarray(x) for x in leaves]
-  as_is = list(as_is) or [False] * len(arrays)
+  arrays = [None if x is None else jnp.asarray(x) for x in leaves]
+  overwritten = list(overwritten) or [False] * len(arrays)
   out, small = [], {}  # type: list[Piece], dict[Any, list[int]]
   for i, x in enumerate(arrays):
-    read = unscale is not None and not as_is[i]  # through `unscale`
-    if is_float(x) and x.size <= _SMALL and _whole(x):
-      key = (x.dtype, varying_axes(x), read, as_is[i])
+    if x is None or not is_float(x):
+      continue
+    if x.size <= _SMALL and _whole(x):
+      key = (x.dtype, varying_axes(x), overwritten[i])
       small.setdefault(key, []).append(i)
-    elif is_float(x):
-      out.append(Piece(x, [i], False, read, not as_is[i]))
-  sizes = [x.size for x in arrays]
-  for (*_, read, plain), same in small.items():
+    else:
+      out.append(Piece(x, [i], False, overwritten[i]))
+  sizes = [0 if x is None else x.size for x in arrays]
+  for (*_, plain), same in small.items():
     for stack in _stacks(same, sizes):
-      rows = _rows([arrays[i].ravel() for i in stack])
-      out.append(Piece(rows, stack, True, read, not plain))
+      rows = _rows([arrays[i].ravel() for i in stack])  # type: ignore[union-attr]
+      out.append(Piece(rows, stack, True, plain))
   return out
 
 
-def squares(
-  read: Sequence[Piece], axis_name: AxisName
-) -> tuple[jax.Array, jax.Array]:
-  """The sums of the squares of the pieces' arrays as given, float32: of the
-  trained ones, and of the others.
+def wide(x: jax.Array) -> jax.Array:
+  """`x` in at least float32 (half precision is widened exactly)."""
+  return x.astype(jnp.float32) if x.dtype.itemsize < 4 else x
 
-  One reduction per piece. A sum is not finite if an element is not, or if
-  it overflows float32; it never makes a NaN of an inf. Inside `shard_map`,
-  the sums of the leaves that vary along axes of `axis_name` (their blocks
-  differ) are summed across those axes: only scalars cross devices, and
-  replicas count once.
+
+def squares(
+  read: Sequence[Piece], axis_name: AxisName, factor: Any = None
+) -> tuple[jax.Array, jax.Array]:
+  """The sums of the squares of the pieces' elements: of the trained ones,
+  and of the overwritten ones.
+
+  One reduction per piece, in at least float32 (float64 for float64 leaves);
+  with `factor`, each trained element is multiplied by it first, in that
+  width. A sum is not finite if an element is not, or if it overflows; it
+  never makes a NaN of an inf. Inside `shard_map`, the sums of the leaves
+  that vary along axes of `axis_name` (their blocks differ) are summed
+  across those axes: only scalars cross devices, and replicas count once.
   """
   names = axis_name if isinstance(axis_name, (tuple, list)) else [axis_name]
+  bits = [jnp.finfo(p.array.dtype).bits for p in read]
+  dtype = jnp.float64 if 64 in bits else jnp.float32
   by_axes: dict[Any, list[jax.Array]] = {}
   for piece in read:
     x = piece.array
     parts = (jnp.real(x), jnp.imag(x)) if jnp.iscomplexobj(x) else (x,)
-    wide = [p.astype(jnp.float32) if p.dtype.itemsize < 4 else p for p in parts]
-    sums = [jnp.sum(jnp.square(p)).astype(jnp.float32) for p in wide]
-    key = (varying_axes(x) & frozenset(names), piece.trained)
+    sums = []
+    for part in map(wide, parts):
+      if factor is not None and not piece.overwritten:
+        part = part * factor.astype(part.dtype)
+      sums.append(jnp.sum(jnp.square(part)).astype(dtype))
+    key = (varying_axes(x) & frozenset(names), piece.overwritten)
     by_axes.setdefault(key, []).append(sum(sums[1:], sums[0]))
-  out = [jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)]
-  for (axes, trained), sums in by_axes.items():
+  out = [jnp.zeros((), dtype), jnp.zeros((), dtype)]
+  for (axes, overwritten), sums in by_axes.items():
     total = sum(sums[1:], sums[0])
-    out[1 - trained] += lax.psum(total, tuple(axes)) if axes else total
+    out[overwritten] += lax.psum(total, tuple(axes)) if axes else total
   return out[0], out[1]
 
 
@@ -143,12 +153,13 @@ def root(sum_of_squares: jax.Array) -> jax.Array:
 def flags(read: Sequence[Piece], n: int, unscale: Any = None) -> jax.Array:
   """Per leaf of `n`, True iff all it holds is finite: a bool vector, local.
 
-  Leaves in no piece (integers, `float0`) are finite. No collective
-  combines replicas.
+  With `unscale`, trained pieces are read through it. Leaves in no piece
+  (None, integers, `float0`) are finite. No collective combines replicas.
   """
   found, order = [], []
   for p in read:
-    finite = jnp.isfinite(unscale(p.array) if p.unscale else p.array)
+    read_as = p.array if unscale is None or p.overwritten else unscale(p.array)
+    finite = jnp.isfinite(read_as)
     found.append(jnp.all(finite, axis=1 if p.rows else None).reshape(-1))
     order.extend(p.leaves)
   others = sorted(set(range(n)) - set(order))

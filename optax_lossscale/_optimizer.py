@@ -14,27 +14,50 @@ import optax
 from optax.tree import where as tree_where
 
 from optax_lossscale import _cond, _inputs, _numerics, _retry, _validation
-from optax_lossscale._loss_scale import LossScale, multiply_floats
-from optax_lossscale._read import Checks, check, masked
+from optax_lossscale._loss_scale import (
+  DynamicLossScale,
+  LossScale,
+  multiply_floats,
+)
 from optax_lossscale._states import (
   LossScaleOptimizerState,
   SkipRecord,
   WriteRecord,
 )
 from optax_lossscale._value_and_grad import scaled_value_and_grad
+from optax_lossscale._verdict import (
+  Verdict,
+  decide,
+  leaves,
+  read,
+  without_overwritten,
+)
 
 __all__ = ["LossScaleOptimizer"]
 
 
 class _Step(NamedTuple):
-  """A step's inputs, and the attempt it applies."""
+  """What a step's branches read: its inputs, and what its read found."""
 
   state: LossScaleOptimizerState
   params: Any
+  grads: Any
   extra_args: dict[str, Any]
   fused: bool
-  mask: Any
-  attempt: _retry.Attempt
+  overwritten: Any
+  loss_scale: LossScale  # the scale the gradients were computed at
+  verdict: Verdict
+
+
+class _Window(NamedTuple):
+  """Where a call falls in its accumulation window, and the branch it takes:
+  0 skips, 1 steps (with accumulation: 1 accumulates, 2 steps)."""
+
+  branch: jax.Array
+  closes: jax.Array
+  stepped: jax.Array
+  micro_step: jax.Array
+  accumulated: jax.Array
 
 
 _FLOAT16 = (
@@ -48,25 +71,21 @@ def _float16(tree: Any) -> bool:
   return jnp.float16 in [getattr(x, "dtype", 0) for x in jax.tree.leaves(tree)]
 
 
-def decide(
-  loss_scale: LossScale, checks: Checks, skip_nonfinite: bool
-) -> tuple[LossScale, jax.Array]:
-  """The next loss scale and whether the step applies.
-
-  A non-finite loss skips the step and keeps the loss scale: no scale fixes
-  a forward pass that failed.
-  """
-  new, should_apply = loss_scale.adjust(checks.grads_finite)
-  if skip_nonfinite:
-    should_apply &= checks.grads_finite
-  if checks.loss_finite is not None:
-    should_apply &= checks.loss_finite
-    new = tree_where(checks.loss_finite, new, loss_scale)
-  return new, should_apply
-
-
 def _count(counter: jax.Array, flag: jax.Array | bool) -> jax.Array:
   return jnp.where(flag, optax.safe_increment(counter), counter)
+
+
+def _held(loss_scale: LossScale) -> LossScale:
+  """The scale after a kept micro-batch of an open window: unchanged (it
+  grows once per window), but a finite step restarts a consecutive
+  hysteresis."""
+  if (
+    isinstance(loss_scale, DynamicLossScale)
+    and loss_scale.consecutive_hysteresis
+  ):
+    bad = jnp.zeros_like(loss_scale.num_bad_steps)
+    return dataclasses.replace(loss_scale, num_bad_steps=bad)
+  return loss_scale
 
 
 def _write_record(
@@ -76,80 +95,73 @@ def _write_record(
 
   Non-finite values there were written by an applied step before it. A
   diagnostic of skipped steps only: checking what every applied step writes
-  reads the parameters and state again (1.6x the fused step, XLA:CPU). The
-  inner state is not read: on XLA:CPU, each leaf checked needs a byte per
-  element of temporary memory, which every step allocates.
+  reads the parameters and state again. The inner state is not read: on
+  XLA:CPU, each leaf checked needs a byte per element of temporary memory,
+  which every step allocates.
   """
   last = state.last_nonfinite_write
-  leaves = jax.tree.leaves(_inputs.like_grads(params))
-  if len(leaves) != last.nonfinite.shape[-1]:  # `update` without parameters
+  flat = leaves(_inputs.like_grads(params))
+  if len(flat) != last.nonfinite.shape[-1]:  # `update` without parameters
     return last
-  finite = _numerics.agree(_numerics.finite_flags(leaves), axis_name)
+  finite = _numerics.agree(_numerics.finite_flags(flat), axis_name)
   applied = state.steps - state.consecutive_skipped_steps - 1  # the last one
-  new = WriteRecord(applied, ~finite)
+  new = WriteRecord(step=applied, nonfinite=~finite)
   return tree_where(jnp.all(finite) | (applied < 0), last, new)  # type: ignore[no-any-return]
 
 
-def _next_state(
-  state: LossScaleOptimizerState,
+def _skip_record(
+  step: _Step, next_loss_scale: LossScale, at_floor: jax.Array
+) -> SkipRecord:
+  """The record of this step if it is skipped."""
+  state, verdict = step.state, step.verdict
+  loss_finite = verdict.loss_finite
+  slots = state.last_skip.nonfinite.shape[-1]  # none after `init(None)`
+  return dataclasses.replace(
+    state.last_skip,
+    step=state.steps,
+    loss_scale=state.loss_scale(),
+    next_loss_scale=next_loss_scale(),
+    consecutive_skipped_steps=optax.safe_increment(
+      state.consecutive_skipped_steps
+    ),
+    loss_given=jnp.array(loss_finite is not None),
+    loss_finite=jnp.array(True) if loss_finite is None else loss_finite,
+    at_floor=at_floor,
+    nonfinite=~verdict.flags[:slots],
+  )
+
+
+def _counted(
+  step: _Step,
   loss_scale: LossScale,
   should_apply: jax.Array,
-  attempt: _retry.Attempt,
+  dropped: jax.Array,
 ) -> LossScaleOptimizerState:
-  """The counters and the skip record after a step (of `attempt`, unless a
-  retry follows it); the inner state and the write record come apart.
+  """The state's loss scale, counters and skip record after a step;
+  `dropped` whether the step is recorded as skipped (not held for a retry).
 
   The record's scale is the step's; the attempt's says whether the scale
   reached its floor.
   """
-  skipped, checks, tried = ~should_apply, attempt.checks, attempt.loss_scale
-  loss_finite, lowered = checks.loss_finite, tried.lowered()
-  consecutive = optax.safe_increment(state.consecutive_skipped_steps)
-  slots = state.last_skip.nonfinite.shape[-1]  # none after `init(None)`
-  record = dataclasses.replace(
-    state.last_skip,
-    step=state.steps,
-    loss_scale=state.loss_scale(),
-    next_loss_scale=loss_scale(),
-    consecutive_skipped_steps=consecutive,
-    loss_given=jnp.array(loss_finite is not None),
-    loss_finite=jnp.array(True) if loss_finite is None else loss_finite,
-    at_floor=jnp.array(True) if lowered is None else lowered() >= tried(),
-    nonfinite=~checks.flags[:slots],
+  state, loss_finite = step.state, step.verdict.loss_finite
+  lowered = step.loss_scale.lowered()
+  at_floor = (
+    jnp.array(True) if lowered is None else lowered() >= step.loss_scale()
   )
+  skipped = ~should_apply
   loss_failed = False if loss_finite is None else ~loss_finite
-  dropped = skipped & jnp.logical_not(attempt.held)
+  record = _skip_record(step, loss_scale, at_floor)
   return state._replace(
-    last_skip=tree_where(dropped, record, state.last_skip),
     loss_scale=loss_scale,
     should_apply=should_apply,
     skipped_steps=_count(state.skipped_steps, skipped),
-    consecutive_skipped_steps=jnp.where(skipped, consecutive, 0),
+    consecutive_skipped_steps=jnp.where(
+      skipped, record.consecutive_skipped_steps, 0
+    ),
     nonfinite_loss_steps=_count(state.nonfinite_loss_steps, loss_failed),
-    retries=state.retries + attempt.retries,
+    last_skip=tree_where(dropped, record, state.last_skip),
     steps=optax.safe_increment(state.steps),
   )
-
-
-def _accumulation(
-  call: str, multi: optax.MultiSteps | None
-) -> tuple[Any, bool]:
-  """The windows an `optax.MultiSteps` asks for: their length (None: no
-  accumulation) and mean.
-
-  `MultiSteps` has no public accessor for them (Optax 0.2.8): they are read
-  from its attributes, once (tests/test_accumulation.py would see a rename).
-  """
-  if multi is None:
-    return None, True
-  skip = multi._should_skip_update_fn
-  if "MultiSteps.__init__" not in getattr(skip, "__qualname__", ""):
-    raise ValueError(
-      f"`{call}(inner=...)` must be an `optax.MultiSteps` without a"
-      f" `should_skip_update_fn`, got {_validation.describe(skip)}: each"
-      " non-finite micro-batch is dropped before it is accumulated."
-    )
-  return multi._every_k_schedule, multi._use_grad_mean
 
 
 class LossScaleOptimizer:
@@ -171,8 +183,10 @@ class LossScaleOptimizer:
   (and `minimize`) update the parameters inside it: the fastest step, and
   the one to use with donated parameters and state. `update` returns the
   updates, for code that needs the Optax interface. A sum of squares that
-  is not finite (an overflow, or finite gradients whose squares exceed
-  float32) runs a small conditional that checks each leaf exactly.
+  is not finite (an overflow, or finite gradients whose squares pass
+  float32's range), or a loss scale below 1, runs a small conditional that
+  checks each leaf exactly and norms the unscaled gradients, so that the
+  norm and the clip are `optax.clip_by_global_norm`'s at any scale.
 
   Parameters may differ in structure from the gradients where `inner`
   allows it: `optax.lookahead`'s `LookaheadParams` are checked, and their
@@ -182,14 +196,15 @@ class LossScaleOptimizer:
   `TrainState`, an `nnx.Optimizer`), or `gradient_transformation()` where an
   `optax.GradientTransformation` is required.
 
-  Gradient accumulation: pass an `optax.MultiSteps(opt, k)` as `inner`.
-  The optimizer steps at every k-th micro-batch, counting the dropped ones,
-  on the mean (or, with `use_grad_mean=False`, the sum) of the micro-batches
-  the window kept; a window that kept none is skipped. Each micro-batch is
+  Gradient accumulation (`gradient_accumulation_steps=k`, Keras' and
+  DeepSpeed's name): each call is a micro-batch, and `inner` steps at every
+  k-th one, counting the dropped ones, on the mean of the micro-batches the
+  window kept; a window that kept none does not step. Each micro-batch is
   checked before it is accumulated, and a non-finite one is dropped alone:
   it lowers the loss scale at once, and finite ones raise it once per
-  window. `max_norm` clips the window's gradient, and at the window's last
-  micro-batch `grad_norm` is its norm. The state's `inner_state` is an `optax.MultiStepsState`.
+  window. `max_norm` clips the window's mean, and when `inner` steps
+  (`state.stepped`) `grad_norm` is its norm. The window's counters and
+  mean are fields of this optimizer's state; `inner_state` is `inner`'s.
 
   An applied step can write non-finite parameters from finite gradients (a
   float16 Adam state divides 0 by 0); the next steps then skip. A skipped
@@ -203,9 +218,10 @@ class LossScaleOptimizer:
   micro-batch) and are kept on a skipped one.
 
   Args:
-    inner: the optimizer to wrap, any Optax transformation, or an
-      `optax.MultiSteps` without `should_skip_update_fn`. Extra arguments
-      of `update` (`value=` included) are passed to it.
+    inner: the optimizer to wrap, any Optax transformation but an
+      `optax.MultiSteps` (pass its optimizer and
+      `gradient_accumulation_steps`). Extra arguments of `update` (`value=`
+      included) are passed to it.
     loss_scale: the initial loss scale.
     max_norm: clip the unscaled gradients (under accumulation, the window's
       gradient) by their global norm, as `optax.clip_by_global_norm` first
@@ -222,11 +238,15 @@ class LossScaleOptimizer:
       bools (the parameters' structure, or a prefix of it). By default, the
       leaves under a top-level key `"_overwrite_with_gradient"` (flax's
       rule).
+    gradient_accumulation_steps: how many micro-batches each optimizer step
+      averages; 1 (the default) does not accumulate.
 
   Raises:
-    TypeError: if an argument has the wrong type.
-    ValueError: if `max_norm` is not positive, or `inner` is an
-      `optax.MultiSteps` with a `should_skip_update_fn`.
+    TypeError: if an argument has the wrong type, or `inner` is an
+      `optax.MultiSteps` in either form (the message writes out the
+      replacement).
+    ValueError: if `max_norm` is not positive, or
+      `gradient_accumulation_steps` is below 1.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -255,18 +275,25 @@ class LossScaleOptimizer:
 
   def __init__(
     self,
-    inner: optax.GradientTransformation | optax.MultiSteps,
+    inner: optax.GradientTransformation,
     loss_scale: LossScale,
     *,
     max_norm: float | None = None,
     skip_nonfinite: bool = True,
     axis_name: _numerics.AxisName = None,
     overwrite_with_gradient: Any = None,
+    gradient_accumulation_steps: int = 1,
   ) -> None:
     call = "LossScaleOptimizer"
-    self._multi = inner if isinstance(inner, optax.MultiSteps) else None
-    self._every_k, self._mean = _accumulation(call, self._multi)
-    inner = inner if self._multi is None else self._multi.inner_opt
+    # `MultiSteps(...).gradient_transformation()` holds its bound methods.
+    owner = getattr(getattr(inner, "update", None), "__self__", inner)
+    if isinstance(owner, optax.MultiSteps):
+      raise TypeError(
+        f"`{call}(inner=...)` must not be an `optax.MultiSteps`, which would"
+        " move the loss scale at every micro-batch: pass its optimizer and"
+        " the window's length, `LossScaleOptimizer(opt, loss_scale, ...,"
+        " gradient_accumulation_steps=k)`."
+      )
     if not isinstance(inner, optax.GradientTransformation):
       swapped = isinstance(inner, LossScale)
       order = "; the arguments are (inner, loss_scale)" if swapped else ""
@@ -289,9 +316,15 @@ class LossScaleOptimizer:
     )
     self.axis_name = axis_name
     self.overwrite_with_gradient = overwrite_with_gradient
+    self.gradient_accumulation_steps = _validation.integer(
+      call,
+      "gradient_accumulation_steps",
+      gradient_accumulation_steps,
+      minimum=1,
+    )
     # What every state's own leaves are (outside any trace: under
     # `shard_map`, the loss scale's arrays could not be closed over).
-    self._dtypes = jax.eval_shape(lambda: self._fresh(None, []))
+    self._dtypes = jax.eval_shape(lambda: self._fresh(None, [], ()))
 
   def init(self, params: optax.Params) -> LossScaleOptimizerState:
     """Returns the initial state: the loss scale and `inner`'s state.
@@ -304,34 +337,47 @@ class LossScaleOptimizer:
       A `LossScaleOptimizerState` of fresh arrays (safe to donate).
     """
     names = _inputs.leaf_names(_inputs.like_grads(params))
-    mask = self._mask("LossScaleOptimizer.init", params)
-    if params is not _inputs.like_grads(params) and any(jax.tree.leaves(mask)):
+    overwritten = self._overwritten("LossScaleOptimizer.init", params)
+    lookahead = params is not _inputs.like_grads(params)
+    if lookahead and any(jax.tree.leaves(overwritten)):
       raise ValueError(
         "`LossScaleOptimizer.init`: overwritten (FP8) leaves are not"
         " supported in `optax.lookahead`'s parameters."
       )
-    trained = masked(mask, params)
-    inner_state = (self._multi or self.inner).init(trained)
+    trained = without_overwritten(overwritten, params)
+    inner_state = self.inner.init(trained)
     if _float16(trained) and _float16(inner_state):  # once per call site
       warnings.warn(_FLOAT16, stacklevel=2)
-    return self._fresh(inner_state, names)
+    accumulator: Any = ()
+    if self.gradient_accumulation_steps > 1:
+      accumulator = optax.tree.zeros_like(_inputs.like_grads(trained))
+    return self._fresh(inner_state, names, accumulator)
 
   def _fresh(
-    self, inner_state: Any, names: list[str]
+    self, inner_state: Any, names: list[str], accumulator: Any
   ) -> LossScaleOptimizerState:
-    # The loss scale, the inner state, `should_apply`, four counters (fresh
-    # arrays each: a donated state shares no buffer), the skip record, the
-    # step count, the write record, the norm and the window's count.
-    scale = jax.tree.map(jnp.copy, self.loss_scale)
-    own = [scale, inner_state, jnp.array(True)]
-    own += [jnp.zeros((), jnp.int32) for _ in range(4)]
-    own.append(SkipRecord.empty(self.loss_scale(), names))
-    own.append(jnp.zeros((), jnp.int32))
-    own.append(WriteRecord.empty(names))
-    own += [jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)]
-    return LossScaleOptimizerState._make(own)
+    # Fresh arrays each: a donated state shares no buffer.
+    zero = lambda: jnp.zeros((), jnp.int32)  # noqa: E731
+    return LossScaleOptimizerState(
+      loss_scale=jax.tree.map(jnp.copy, self.loss_scale),
+      inner_state=inner_state,
+      should_apply=jnp.array(True),
+      skipped_steps=zero(),
+      consecutive_skipped_steps=zero(),
+      nonfinite_loss_steps=zero(),
+      retries=zero(),
+      last_skip=SkipRecord.empty(self.loss_scale(), names),
+      steps=zero(),
+      last_nonfinite_write=WriteRecord.empty(names),
+      grad_norm=jnp.zeros((), jnp.float32),
+      accumulated=zero(),
+      stepped=jnp.array(False),
+      micro_step=zero(),
+      accumulator=accumulator,
+    )
 
-  def _mask(self, call: str, tree: Any) -> Any:
+  def _overwritten(self, call: str, tree: Any) -> Any:
+    """Per leaf of `tree`, whether it is an overwritten (FP8) leaf."""
     return _inputs.overwrite_mask(call, self.overwrite_with_gradient, tree)
 
   def update(
@@ -342,8 +388,6 @@ class LossScaleOptimizer:
     **extra_args: Any,
   ) -> tuple[optax.Updates, LossScaleOptimizerState]:
     """One step: returns the updates (zeros when skipped) and the new state.
-
-    `inner.update` is traced once, as on every route.
 
     Args:
       grads: the scaled gradients.
@@ -469,17 +513,19 @@ class LossScaleOptimizer:
       extra = {"value": loss_of(value)}
       return value, *self._step(call, grads, state, params, extra, True)
 
-    def finish(found: _retry.Attempt, operand: Any) -> Any:
+    def finish(value: Any, g: Any, found: _retry.Attempt, operand: Any) -> Any:
       params, state = operand
-      extra = {"value": loss_of(found.value)}
-      return self._step(call, found.grads, state, params, extra, True, found)
+      extra = {"value": loss_of(value)}
+      return self._step(call, g, state, params, extra, True, found)
+
+    def check(ls: LossScale, value: Any, g: Any) -> Verdict:
+      overwritten = self._overwritten(call, g)
+      return read(call, ls, g, loss_of(value), self.axis_name, overwritten)
 
     value, (params, state) = _retry.retry(
       call,
       lambda ls, operand: value_and_grad(ls, operand[0], *args, **kwargs),
-      lambda ls, value, g: check(
-        call, ls, g, loss_of(value), self.axis_name, self._mask(call, g)
-      ),
+      check,
       finish,
       state.loss_scale,
       max_retries,
@@ -507,59 +553,82 @@ class LossScaleOptimizer:
   ) -> tuple[Any, LossScaleOptimizerState]:
     """Read, decide, one conditional around `inner`, and the new state.
 
-    `attempt` is one of `minimize`'s attempts (None: `grads` are checked
-    here). An attempt that a retry follows (`held`) writes nothing; that is
-    folded into the one conditional (a second would make XLA copy what the
-    retry loop carries; carrying the gradients out of the loop instead took
-    1.5x the temporary memory on benchmarks/train_step.py's model).
+    `attempt` is one of `minimize`'s retry attempts; None outside the retry
+    loop, where the gradients are read here. An attempt that another
+    follows (`held`) writes nothing; that is folded into the one
+    conditional (a second would make XLA copy what the retry loop carries).
     """
     _inputs.check_inputs(call, grads, state, params, self._dtypes)
-    mask = self._mask(call, grads)
-    if params is None and any(jax.tree.leaves(mask)):
+    overwritten = self._overwritten(call, grads)
+    if params is None and any(jax.tree.leaves(overwritten)):
       raise ValueError(f"`{call}(params=None)`: overwritten leaves need them.")
-    if attempt is None:  # `held` a Python bool (see `_retry.Attempt`)
+    if attempt is None:
       value = extra_args.get("value")
-      checks = check(call, state.loss_scale, grads, value, self.axis_name, mask)
-      attempt = _retry.Attempt(value, grads, state.loss_scale, checks, 0, False)
-    step = _Step(state, params, extra_args, fused, mask, attempt)
-    checks, retries = attempt.checks, attempt.retries
-    skip = self.skip_nonfinite
-    loss_scale, should_apply = decide(attempt.loss_scale, checks, skip)
-    if not isinstance(retries, int):  # the scale moves as for one overflow
-      first = checks._replace(grads_finite=checks.grads_finite & (retries == 0))
-      loss_scale = decide(state.loss_scale, first, skip)[0]
-    try:  # `inner` reads its state here
-      index, closes, counters = self._schedule(
-        state, should_apply, attempt.held
+      verdict = read(
+        call, state.loss_scale, grads, value, self.axis_name, overwritten
       )
-      out, inner, wrote, norm = _cond.switch(
-        index,
-        self._branches(step, should_apply),
-        *(params, state.inner_state, state.last_nonfinite_write),
+      attempt_scale, retries, held = state.loss_scale, None, None
+    else:
+      attempt_scale, verdict, retries, held = attempt
+    step = _Step(
+      state,
+      params,
+      grads,
+      extra_args,
+      fused,
+      overwritten,
+      attempt_scale,
+      verdict,
+    )
+    loss_scale, should_apply = decide(
+      attempt_scale, verdict, self.skip_nonfinite
+    )
+    if retries is not None:  # the scale moves as for one overflowed step
+      first = verdict._replace(
+        grads_finite=verdict.grads_finite & (retries == 0)
+      )
+      loss_scale = decide(state.loss_scale, first, self.skip_nonfinite)[0]
+    window = self._window(state, should_apply, held)
+    try:  # `inner` reads its state here
+      out, inner, accumulator, wrote, norm = _cond.switch(
+        window.branch,
+        self._branches(step, should_apply, held),
+        params,
+        state.inner_state,
+        state.accumulator,
+        state.last_nonfinite_write,
         sharded_like=grads,
       )
     except Exception as error:
       self._foreign(call, step, error)
       raise
-    # A kept micro-batch in an open window holds the scale (unless retried).
-    hold = should_apply & ~closes & (retries == 0)
-    loss_scale = tree_where(hold, state.loss_scale, loss_scale)
-    new = _next_state(state, loss_scale, should_apply, attempt)
-    if counters is not None:
-      inner = inner._replace(mini_step=counters[0], gradient_step=counters[1])
-      new = new._replace(accumulated=counters[2])
-    new = new._replace(
-      inner_state=inner, last_nonfinite_write=wrote, grad_norm=norm
+    hold = should_apply & ~window.closes  # a kept micro-batch, window open
+    if retries is not None:
+      hold &= retries == 0
+    loss_scale = tree_where(hold, _held(state.loss_scale), loss_scale)
+    dropped = ~should_apply if held is None else ~should_apply & ~held
+    new = _counted(step, loss_scale, should_apply, dropped)._replace(
+      inner_state=inner,
+      retries=state.retries + (0 if retries is None else retries),
+      last_nonfinite_write=wrote,
+      grad_norm=norm.astype(jnp.float32),
+      accumulated=window.accumulated,
+      stepped=window.stepped,
+      micro_step=window.micro_step,
+      accumulator=accumulator,
     )
-    if attempt.held is not False:  # a held attempt keeps scale and counters
-      new = tree_where(attempt.held, state._replace(inner_state=inner), new)
+    if held is not None:  # the conditional's outputs, as they were
+      kept = state._replace(
+        inner_state=inner, accumulator=accumulator, last_nonfinite_write=wrote
+      )
+      new = tree_where(held, kept, new)
     return out, new
 
   def _foreign(self, call: str, step: _Step, error: Exception) -> None:
     """Raises a `TypeError` naming `inner_state` if the step's is not of the
     structure `init` gives: a step that failed (`error`) on another
     optimizer's state says so. Otherwise the step's own error stands."""
-    given = step.attempt.grads if step.params is None else step.params
+    given = step.grads if step.params is None else step.params
     try:  # `inner.init` may need values, which a failed step cannot give
       like = jax.tree.structure(jax.eval_shape(self.init, given).inner_state)
     except Exception:
@@ -570,111 +639,122 @@ class LossScaleOptimizer:
         " gives: another optimizer's, or the parameters' containers changed."
       ) from error
 
-  def _schedule(
-    self, state: LossScaleOptimizerState, should_apply: Any, held: Any
-  ) -> tuple[jax.Array, jax.Array, tuple[jax.Array, ...] | None]:
-    """The branch, whether a window closes, and the window's counters.
+  def _window(
+    self,
+    state: LossScaleOptimizerState,
+    should_apply: jax.Array,
+    held: jax.Array | None,
+  ) -> _Window:
+    """The branch this call takes, and the window's counters after it.
 
-    Branch 0 skips; without accumulation 1 steps; with it 1 accumulates
-    and 2 steps, at the window's last micro-batch if the window kept any.
+    Without accumulation, every window is one call long. A held attempt
+    skips: the retry that follows it may close the window.
     """
-    applies = (should_apply & jnp.logical_not(held)).astype(jnp.int32)
-    if self._every_k is None:
-      return applies, jnp.array(True), None
-    window, held = state.inner_state, jnp.asarray(held)
-    closes = window.mini_step + 1 >= self._every_k(window.gradient_step)
-    kept = state.accumulated + applies
-    # A held attempt skips: the retry that follows it may close the window.
-    index = jnp.where(closes & (kept > 0) & ~held, 2, applies)
-    position = jnp.where(closes, 0, window.mini_step + 1)
-    mini_step = jnp.where(held, window.mini_step, position)
-    gradient_step = window.gradient_step + (index == 2).astype(jnp.int32)
-    return index, closes, (mini_step, gradient_step, jnp.where(closes, 0, kept))
+    keeps = should_apply if held is None else should_apply & ~held
+    if self.gradient_accumulation_steps == 1:
+      zero = jnp.zeros((), jnp.int32)
+      return _Window(
+        keeps.astype(jnp.int32), jnp.array(True), keeps, zero, zero
+      )
+    closes = state.micro_step + 1 >= self.gradient_accumulation_steps
+    kept = state.accumulated + keeps.astype(jnp.int32)
+    steps = closes & (kept > 0)
+    if held is not None:
+      steps &= ~held
+    branch = jnp.where(steps, 2, keeps.astype(jnp.int32))
+    micro_step = jnp.where(closes, 0, state.micro_step + 1)
+    return _Window(
+      branch, closes, steps, micro_step, jnp.where(closes, 0, kept)
+    )
 
-  def _branches(self, step: _Step, kept: jax.Array) -> list[Callable[..., Any]]:
-    """The branches: skip, (accumulate,) step. Each returns the output, the
-    inner state, the write record and the norm (at a window's step, the
-    window's). The skip stays branch 0, which XLA passes donated buffers
-    through uncopied (jax#39449; tests/test_accelerator_ready.py)."""
-    window, state = self._every_k is not None, step.state
-    checks = step.attempt.checks
-    opt = lambda inner: inner.inner_opt_state if window else inner  # noqa: E731
-    # What `inner` is given: under accumulation, the window's gradient in
-    # the accumulator's dtype, as `optax.MultiSteps` gives it.
-    grads = masked(step.mask, step.attempt.grads)
-    given = state.inner_state.acc_grads if window else grads
-    output, update = self._output(step, given, opt(state.inner_state))
+  def _branches(
+    self, step: _Step, should_apply: jax.Array, held: jax.Array | None
+  ) -> list[Callable[..., Any]]:
+    """The branches: skip, (accumulate,) step. Each takes the parameters,
+    `inner`'s state, the accumulator and the write record, and returns the
+    output, the three states and the norm (when `inner` steps under
+    accumulation, the window's). The skip stays branch 0, which XLA passes
+    donated buffers through uncopied (jax#39449;
+    tests/test_accelerator_ready.py)."""
+    accumulating = self.gradient_accumulation_steps > 1
+    verdict, state = step.verdict, step.state
     # Without accumulation the clip multiplies the unscaling: one scalar,
     # computed outside the conditional, since XLA copies a scalar computed
-    # inside it into every leaf's kernel (benchmarks/LLM_STACK.md's compiles).
-    finite = checks.grads_finite
-    clip = jnp.float32(1) if window else self._factor(checks.norm, finite)
-    factor = step.attempt.loss_scale.unscale(clip)
+    # inside it into every leaf's kernel.
+    clip = (
+      jnp.float32(1)
+      if accumulating
+      else self._clip(verdict.norm, verdict.grads_finite)
+    )
+    factor = step.loss_scale.unscale(clip)
+    unscaled = lambda: without_overwritten(  # noqa: E731
+      step.overwritten, multiply_floats(step.grads, factor)
+    )
+    given = state.accumulator if accumulating else unscaled()
+    output, update = self._inner_update(step, given)
 
-    def skip(params: Any, inner: Any, wrote: Any) -> Any:
+    def skip(params: Any, inner: Any, acc: Any, wrote: Any) -> Any:
       new = _write_record(state, params, self.axis_name)
-      new = tree_where(step.attempt.held, wrote, new)
-      return output(params, None, False), inner, new, checks.norm
+      new = new if held is None else tree_where(held, wrote, new)
+      return output(params, None, False), inner, acc, new, verdict.norm
 
-    def accumulate(params: Any, inner: Any, wrote: Any) -> Any:
-      new = inner._replace(acc_grads=self._gradient(step, kept, factor))
-      return output(params, None, kept), new, wrote, checks.norm
+    def accumulate(params: Any, inner: Any, acc: Any, wrote: Any) -> Any:
+      acc = self._mean(state, acc, unscaled(), should_apply)
+      return output(params, None, should_apply), inner, acc, wrote, verdict.norm
 
-    def apply(params: Any, inner: Any, wrote: Any) -> Any:
-      g, norm = self._gradient(step, kept, factor), checks.norm
-      if window:  # the window's norm, not the micro-batch's verdict
-        read = _numerics.pieces(jax.tree.leaves(g))
-        norm = _numerics.root(_numerics.squares(read, self.axis_name)[0])
-        g = multiply_floats(g, self._factor(norm, jnp.isfinite(norm)))
-      updates, new = update(g, opt(inner), masked(step.mask, params))
-      if window:
-        zeros = optax.tree.zeros_like(inner.acc_grads)
-        new = inner._replace(inner_opt_state=new, acc_grads=zeros)
-      return output(params, updates, kept), new, wrote, norm
+    def apply(params: Any, inner: Any, acc: Any, wrote: Any) -> Any:
+      g, norm = unscaled(), verdict.norm
+      if accumulating:  # the window's mean, its norm, its clip
+        g = self._mean(state, acc, g, should_apply)
+        norm = _numerics.root(
+          _numerics.squares(_numerics.pieces(leaves(g)), self.axis_name)[0]
+        )
+        g = multiply_floats(g, self._clip(norm, jnp.isfinite(norm)))
+        acc = optax.tree.zeros_like(acc)
+      trained = without_overwritten(step.overwritten, params)
+      updates, inner = update(g, inner, trained)
+      return output(params, updates, should_apply), inner, acc, wrote, norm
 
-    return [skip, accumulate, apply] if window else [skip, apply]
+    return [skip, accumulate, apply] if accumulating else [skip, apply]
 
-  def _factor(self, norm: jax.Array, finite: jax.Array) -> jax.Array:
+  def _clip(self, norm: jax.Array, finite: jax.Array) -> jax.Array:
     """What clips gradients of global `norm` to `max_norm` (1 without it).
     Gradients that are not `finite` (applied with `skip_nonfinite=False`; a
     window whose norm is not) are left as they are: 0 * inf is a NaN."""
     if self.max_norm is None:
       return jnp.ones((), jnp.float32)
     keep = (norm < self.max_norm) | ~finite
-    return jnp.where(keep, 1.0, self.max_norm / norm)
+    return jnp.where(keep, jnp.ones((), norm.dtype), self.max_norm / norm)
 
-  def _gradient(self, step: _Step, kept: jax.Array, factor: jax.Array) -> Any:
-    """The gradients times `factor` (the unscaling, and without accumulation
-    the clip); under accumulation, the window's mean (or sum), with this
-    micro-batch if it is kept: `optax.MultiSteps`' running mean, in the
-    accumulator's dtype."""
-    unscaled = masked(step.mask, multiply_floats(step.attempt.grads, factor))
-    if self._every_k is None:
-      return unscaled
-    n = (step.state.accumulated + 1).astype
+  def _mean(
+    self, state: LossScaleOptimizerState, acc: Any, g: Any, kept: jax.Array
+  ) -> Any:
+    """The window's mean with `g` if it is `kept`: `optax.MultiSteps`'
+    running mean, in the accumulator's dtypes."""
+    n = (state.accumulated + 1).astype
 
-    def add(u: jax.Array, acc: jax.Array) -> jax.Array:
-      u = u.astype(acc.dtype)
-      new = acc + (u - acc) / n(acc.dtype) if self._mean else acc + u
-      return jnp.where(kept, new, acc)
+    def add(u: jax.Array, a: jax.Array) -> jax.Array:
+      return jnp.where(kept, a + (u.astype(a.dtype) - a) / n(a.dtype), a)
 
-    return jax.tree.map(add, unscaled, step.state.inner_state.acc_grads)
+    return jax.tree.map(add, g, acc)
 
-  def _output(
-    self, step: _Step, given: Any, opt_state: Any
+  def _inner_update(
+    self, step: _Step, given: Any
   ) -> tuple[Callable[[Any, Any, Any], Any], Callable[..., Any]]:
     """A branch's output from `inner`'s updates (None: no update), and
-    `inner.update`.
+    `inner.update`, traced once.
 
-    The fused step returns the parameters, `update` the updates: zeros when
-    skipped, of the shapes `inner` returns, so `inner.update` is traced
-    once, here, on `given` (what it is given), and replayed in the step.
-    Each overwritten leaf is assigned its gradient where `assign` holds.
+    The fused step returns the parameters, `update` the updates: zeros
+    when skipped, of the shapes `inner` returns. Those shapes need a trace
+    of `inner.update`: it is traced once, here, on what it is `given`, and
+    replayed in the branch that steps, so that a step traces the user's
+    optimizer once. Each overwritten leaf is assigned its gradient where
+    `assign` holds.
     """
-    mask, fused = step.mask, step.fused
-
+    overwritten, fused = step.overwritten, step.fused
     update = lambda g, s, p: self.inner.update(g, s, p, **step.extra_args)  # noqa: E731
-    operands = (given, opt_state, masked(mask, step.params))
+    trained = without_overwritten(overwritten, step.params)
+    operands = (given, step.state.inner_state, trained)
     eager = jax.config.jax_disable_jit  # type: ignore[attr-defined]
     if not fused and eager:  # `inner` as it is: its traceback whole
       like = jax.eval_shape(update, *operands)[0]
@@ -686,17 +766,19 @@ class LossScaleOptimizer:
       if not fused:
         base = optax.tree.zeros_like(like) if updates is None else updates
       elif updates is not None:
-        base = optax.apply_updates(masked(mask, params), updates)
+        base = optax.apply_updates(
+          without_overwritten(overwritten, params), updates
+        )
       else:
         base = params
 
-      def pick(m: bool, b: Any, g: Any, p: Any) -> Any:
+      def pick(o: bool, b: Any, g: Any, p: Any) -> Any:
         new = g.astype(p.dtype) if fused else g.astype(p.dtype) - p
         keep = p if fused else jnp.zeros_like(p)
-        return jnp.where(assign, new, keep) if m else b
+        return jnp.where(assign, new, keep) if o else b
 
-      if not any(jax.tree.leaves(mask)):
+      if not any(jax.tree.leaves(overwritten)):
         return base
-      return jax.tree.map(pick, mask, base, step.attempt.grads, params)
+      return jax.tree.map(pick, overwritten, base, step.grads, params)
 
     return output, update

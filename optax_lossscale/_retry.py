@@ -14,28 +14,24 @@ from optax_lossscale._loss_scale import LossScale
 
 
 class Attempt(NamedTuple):
-  """One attempt of the retry loop.
+  """One attempt of the retry loop, as the step that applies it reads it.
 
-  `checks` is what the check found (`grads_finite`, `loss_finite`, agreed
-  across replicas); `retries` how many attempts came before it; `held`
-  whether another attempt follows, so that this one must write nothing.
-  Outside the retry loop `held` is the Python bool False: a constant array
-  closed over by a branch fails `vmap` over Explicit-sharded members.
+  `loss_scale` is the scale it ran at, `verdict` what the read found;
+  `retries` counts the attempts before it; `held` is whether another
+  attempt follows, so that this one must write nothing.
   """
 
-  value: Any
-  grads: Any
   loss_scale: LossScale
-  checks: Any
-  retries: jax.Array | int
-  held: jax.Array | bool
+  verdict: Any
+  retries: jax.Array
+  held: jax.Array
 
 
 def retry(
   call: str,
   attempt: Callable[[LossScale, Any], tuple[Any, Any]],
   check: Callable[[LossScale, Any, Any], Any],
-  finish: Callable[[Attempt, Any], Any],
+  finish: Callable[[Any, Any, Attempt, Any], Any],
   loss_scale: LossScale,
   max_retries: int,
   operand: Any,
@@ -46,7 +42,8 @@ def retry(
   follows when the gradients are not finite, the loss is, fewer than
   `max_retries` retries were made and `loss_scale.lowered()` is lower; the
   replicas agree on it (`check` agrees), so collectives in `attempt` cannot
-  deadlock. `finish(attempt, operand)` runs in every iteration and returns
+  deadlock. `finish(value, grads, attempt, operand)` runs in every iteration
+  and returns
   the new operand (the parameters and state), unchanged when `held`: the
   update runs in the last iteration, and the gradients are never carried.
   Under `vmap` the step's `cond` is a select, so the update then runs, and
@@ -72,11 +69,12 @@ def retry(
   def body(carry: tuple[Any, ...]) -> tuple[Any, ...]:
     retries, _, ls, _, operand = carry
     value, grads = run(ls, operand)
-    checks = check(ls, value, grads)
+    verdict = check(ls, value, grads)
     lowered = ls.lowered()
-    overflowed = checks.loss_finite & ~checks.grads_finite
+    overflowed = verdict.loss_finite & ~verdict.grads_finite
     again = overflowed & (retries < max_retries) & (lowered() < ls())
-    operand = finish(Attempt(value, grads, ls, checks, retries, again), operand)
+    attempt = Attempt(ls, verdict, retries, again)
+    operand = finish(value, grads, attempt, operand)
     ls = optax.tree.where(again, lowered, ls)
     return retries + 1, again, ls, value, operand
 

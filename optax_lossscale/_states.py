@@ -27,20 +27,26 @@ class UnscaleGradientsState(NamedTuple):
 
   Attributes:
     loss_scale: the loss scale for the next step.
-    should_apply: whether the last step's gradients were fit to apply (a
-      bool scalar); True before the first step. A chain that skips reads it.
+    should_apply: the loss scale's answer for the last step, as
+      TensorFlow's `LossScale.update` gives it (a bool scalar); True before
+      the first step. A `FixedLossScale` or `NoOpLossScale` answers True
+      whatever the gradients: they cannot adjust.
+    finite: whether the last step's unscaled gradients, and its loss when
+      given as `value=`, were all finite (a bool scalar); True before the
+      first step. A chain that skips reads this one.
 
   Examples:
     >>> import jax.numpy as jnp
     >>> import optax_lossscale as ols
-    >>> tx = ols.unscale_gradients(ols.DynamicLossScale(8.0))
+    >>> tx = ols.unscale_gradients(ols.FixedLossScale(8.0))
     >>> _, state = tx.update({"w": jnp.array([jnp.inf])}, tx.init(None))
-    >>> float(state.loss_scale()), bool(state.should_apply)
-    (4.0, False)
+    >>> float(state.loss_scale()), bool(state.should_apply), bool(state.finite)
+    (8.0, True, False)
   """
 
   loss_scale: LossScale
   should_apply: jax.Array
+  finite: jax.Array
 
 
 def first_copy(x: Any) -> Any:
@@ -154,11 +160,10 @@ class LossScaleOptimizerState(NamedTuple):
     inner_state: the state of the wrapped optimizer; a skipped step leaves
       it bit for bit unchanged.
     should_apply: whether the last step was applied (bool); True before the
-      first step. For a training loop that counts applied steps. Under
-      accumulation, a step is a micro-batch, and this says whether it was
-      kept: the optimizer steps at the windows' ends, which
-      `inner_state.gradient_step` counts (the skip counters and
-      `SkipMonitor` count micro-batches too).
+      first step: TensorFlow's meaning. Under accumulation, a step is a
+      micro-batch, and this says whether it was kept (the skip counters and
+      `SkipMonitor` count micro-batches too); `stepped` says whether
+      `inner` stepped.
     skipped_steps: how many steps were skipped in all (int32).
     consecutive_skipped_steps: how many steps were skipped since the last
       applied one (int32): the stop rule reads it.
@@ -171,16 +176,25 @@ class LossScaleOptimizerState(NamedTuple):
     last_nonfinite_write: the last skipped step that was given non-finite
       parameters, a `WriteRecord`.
     grad_norm: the global L2 norm of the last step's unscaled gradients
-      (float32), from the step's one read of them, before clipping;
-      overwritten (FP8) leaves are not in it. On a step skipped for an
-      overflow it is inf (for NaN gradients too); it is inf, and the step
-      applies, when the gradients are finite but their squares, as scaled,
-      overflow float32. Under accumulation it is the micro-batch's norm,
-      except at a window's last micro-batch, where it is the norm of the
-      window's mean gradient (of the micro-batches it kept), the one the
-      optimizer takes.
+      (float32), from the step's one read of them, before clipping, as
+      `optax.global_norm` gives it; overwritten (FP8) leaves are not in it.
+      It is inf when a gradient is not finite (NaN included), at any loss
+      scale, and when the norm passes float32's range. Under accumulation
+      it is the micro-batch's norm, except when `inner` steps, where it is
+      the norm of the window's mean gradient (of the micro-batches it
+      kept), the one the optimizer takes.
     accumulated: how many micro-batches the open accumulation window kept
       (int32); 0 without accumulation.
+    stepped: whether `inner` stepped on the last call (bool); False before
+      the first step. Without accumulation, `should_apply`; with it, True
+      at a window's last micro-batch if the window kept one. What an EMA,
+      a schedule or a log of optimizer steps gates on.
+    micro_step: the position of the next micro-batch in its accumulation
+      window, counting dropped ones (int32): 0 at a window's start, and
+      always 0 without accumulation.
+    accumulator: the mean of the micro-batches the open window kept, like
+      the parameters, in their dtypes (overwritten leaves left out); `()`
+      without accumulation.
 
   A 0.1.0 checkpoint (the first five fields, and a `DynamicLossScale` of two
   leaves) restores as `docs/guides/frameworks.md` shows.
@@ -210,6 +224,9 @@ class LossScaleOptimizerState(NamedTuple):
   last_nonfinite_write: WriteRecord
   grad_norm: jax.Array
   accumulated: jax.Array
+  stepped: jax.Array
+  micro_step: jax.Array
+  accumulator: Any
 
 
 def check_like(call: str, state: Any, like: Any) -> None:
@@ -217,15 +234,16 @@ def check_like(call: str, state: Any, like: Any) -> None:
   `like`'s type whose fields were not cast.
 
   `like` is a state of the expected type, fields and dtypes (from `init`,
-  abstract), with no inner state: the inner optimizer owns it, so it is not
-  compared.
+  abstract), with no inner state and no accumulator: they are shaped by
+  `inner` and the parameters, so they are not compared.
   """
   if not isinstance(state, type(like)):
     raise TypeError(
       f"`{call}` takes the {type(like).__name__} that `init` returned, got"
       f" {_validation.describe(state)}."
     )
-  inner = {"inner_state": None} if hasattr(state, "inner_state") else {}
+  own = {"inner_state": None, "accumulator": ()}
+  inner = {k: v for k, v in own.items() if k in state._fields}
   leaves = jax.tree_util.tree_leaves_with_path
   want = {jax.tree_util.keystr(p): x.dtype for p, x in leaves(like)}
   got = {jax.tree_util.keystr(p): x for p, x in leaves(state._replace(**inner))}

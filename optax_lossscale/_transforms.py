@@ -8,10 +8,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lossscale import _inputs, _numerics, _read
+from optax_lossscale import _inputs, _numerics
 from optax_lossscale._loss_scale import LossScale
-from optax_lossscale._optimizer import decide
 from optax_lossscale._states import UnscaleGradientsState, check_like
+from optax_lossscale._verdict import decide, read
 
 __all__ = ["unscale_gradients"]
 
@@ -23,8 +23,9 @@ def unscale_gradients(
 
   Put it first in an `optax.chain`. It divides the incoming (scaled)
   gradients by the loss scale, updates the loss scale from whether they are
-  finite (`LossScale.adjust`), and stores the new loss scale and
-  `should_apply` in its state. It only reports: the rest of the chain runs on every step.
+  finite (`LossScale.adjust`), and stores the new loss scale, its
+  `should_apply` and whether the step was `finite` in its state. It only
+  reports: the rest of the chain runs on every step.
   Given the loss as `value=`, a step whose loss is not finite reports
   `should_apply` False and leaves the loss scale unchanged.
 
@@ -36,9 +37,11 @@ def unscale_gradients(
     max_consecutive_errors=...))`: `inner` skips the steps whose unscaled
     gradients are not finite (but after `max_consecutive_errors` of them in a
     row, `apply_if_finite` applies one anyway);
-  - your own `lax.cond` on this state's `should_apply` that keeps this
+  - your own `lax.cond` on this state's `finite` that keeps this
     transformation's new state on a skipped step, and only the rest of the
-    old state (the train-step guide, docs/guides/train_step.md).
+    old state (the train-step guide, docs/guides/train_step.md). Read
+    `finite`, not `should_apply`: a `FixedLossScale` or `NoOpLossScale`
+    answers `should_apply` True whatever the gradients, as TensorFlow's.
 
   Pitfall: a skip *before* it stalls the loss scale. On a skipped step this
   `update` is not called, so the scale is never lowered, and a scale too high
@@ -88,7 +91,9 @@ def unscale_gradients(
 
   def init_fn(params: optax.Params) -> UnscaleGradientsState:
     copy = jax.tree.map(jnp.copy, loss_scale)  # a donated state shares none
-    return UnscaleGradientsState(copy, jnp.array(True))
+    return UnscaleGradientsState(
+      loss_scale=copy, should_apply=jnp.array(True), finite=jnp.array(True)
+    )
 
   def update_fn(
     updates: optax.Updates,
@@ -99,9 +104,14 @@ def unscale_gradients(
     check_like(call, state, jax.eval_shape(init_fn, None))
     _inputs.check_structure(call, updates, params)
     value = extra_args.get("value")
-    checks = _read.check(call, state.loss_scale, updates, value, axis_name)
-    new, should_apply = decide(state.loss_scale, checks, skip_nonfinite=False)
+    verdict = read(call, state.loss_scale, updates, value, axis_name)
+    new, should_apply = decide(state.loss_scale, verdict, skip_nonfinite=False)
+    finite = verdict.grads_finite
+    if verdict.loss_finite is not None:
+      finite &= verdict.loss_finite
     unscaled = state.loss_scale.unscale(updates)
-    return unscaled, UnscaleGradientsState(new, should_apply)
+    return unscaled, UnscaleGradientsState(
+      loss_scale=new, should_apply=should_apply, finite=finite
+    )
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
