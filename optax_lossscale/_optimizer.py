@@ -493,7 +493,8 @@ class LossScaleOptimizer:
       >>> tx = ols.LossScaleOptimizer(optax.sgd(0.1),
       ...                             ols.DynamicLossScale(2.0**24))
       >>> params = {"w": jnp.array([1.0, 2.0])}
-      >>> loss_fn = lambda p: jnp.sum(p["w"].astype(jnp.float16) ** 2)
+      >>> def loss_fn(p):  # a float16 forward pass, the loss in float32
+      ...   return jnp.sum(p["w"].astype(jnp.float16).astype(jnp.float32) ** 2)
       >>> loss, params, state = tx.minimize(loss_fn, params, tx.init(params),
       ...                                   max_retries=16)
       >>> float(loss), int(state.skipped_steps), int(state.retries)

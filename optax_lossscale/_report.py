@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+import optax
 
 from optax_lossscale import _states, _validation
 
@@ -87,19 +88,39 @@ class ConsecutiveSkipsError(RuntimeError):
 ConsecutiveSkipsError.__module__ = "optax_lossscale"
 
 
-def _read(call: str, opt_state: Any) -> tuple[Any, bool]:
+def _on_host(call: str, opt_state: Any) -> tuple[Any, bool]:
   """The one `LossScaleOptimizerState` in `opt_state`, read on the host: its
-  leaves one row per member, its loss scale the scale, no inner state; and
-  whether it is stacked over members."""
+  leaves one row per member, its loss scale the scale, no inner state or
+  accumulator; and whether it is stacked over members."""
   types = (_states.LossScaleOptimizerState,)
   state = _states.find_one(f"`{call}(opt_state)`", opt_state, types)
+  own = state._replace(inner_state=None, accumulator=())
+  if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(own)):
+    raise TypeError(
+      f"`{call}(opt_state)` reads the state on the host, between steps: call"
+      " it outside `jit`, `vmap` and `scan`, on the state a step returned."
+    )
+  multi = optax.MultiStepsState
+  for node in jax.tree.leaves(
+    opt_state, is_leaf=lambda x: isinstance(x, multi)
+  ):
+    if isinstance(node, multi) and any(
+      x is state for x in jax.tree.leaves(node, is_leaf=lambda x: x is state)
+    ):
+      raise ValueError(
+        f"`{call}(opt_state)`: the LossScaleOptimizer is inside an"
+        " `optax.MultiSteps`, which multiplies its state by zero on every"
+        " micro-batch but the window's last: the loss scale stalls for good."
+        " Accumulate with `LossScaleOptimizer(opt, loss_scale, ...,"
+        " gradient_accumulation_steps=k)` instead."
+      )
   skipped = np.asarray(_states.first_copy(state.skipped_steps))
 
   def rows(x: Any) -> np.ndarray:
     x = np.asarray(_states.first_copy(x))  # a fixed scale is shared: repeated
     return np.resize(x, (skipped.size, *x.shape[skipped.ndim :]))
 
-  host = state._replace(inner_state=None, loss_scale=state.loss_scale())
+  host = own._replace(loss_scale=state.loss_scale())
   return jax.tree.map(rows, host), bool(skipped.ndim)
 
 
@@ -220,7 +241,7 @@ def skip_reports(opt_state: Any) -> list[SkipReport]:
     >>> print(*ols.skip_reports(state))
     member 1: skipped step 0 (1 in a row, 1 in all): loss scale 32768 -> 16384; no loss given; non-finite gradients: ['w']
   """
-  state, batched = _read("skip_reports", opt_state)
+  state, batched = _on_host("skip_reports", opt_state)
   reports = (_report(state, m, batched) for m in range(len(state.steps)))
   return [report for report in reports if report is not None]
 
@@ -230,10 +251,11 @@ def _log_warning(report: SkipReport) -> None:
   _LOGGER.warning("%s", report)
 
 
-def _changed(seen: np.ndarray, now: np.ndarray, start: int = 0) -> np.ndarray:
-  """The members whose count is not the one `seen` (`start` if `seen` holds
-  another number of members, as at first)."""
-  return np.flatnonzero(now != (seen if seen.shape == now.shape else start))
+def _changed(seen: np.ndarray, now: np.ndarray, start: int) -> np.ndarray:
+  """The members whose entries (the last axis of `now`) differ from those
+  `seen` (from `start` if `seen` holds another number of members)."""
+  seen = seen if seen.shape == now.shape else np.full_like(now, start)
+  return np.flatnonzero((now != seen).reshape(len(now), -1).any(axis=-1))
 
 
 class SkipMonitor:
@@ -247,6 +269,10 @@ class SkipMonitor:
 
   The stop rule fires at the first call after the limit is reached. The
   steps skipped meanwhile changed no parameter and no optimizer moment.
+
+  It runs on the host, between steps, never inside `jit`. A skip is news
+  when its step or its count differs from the last one seen, so a
+  checkpoint restored in the same process is watched as a new run is.
 
   Args:
     max_consecutive_skips: raise `ConsecutiveSkipsError` once the state's
@@ -311,30 +337,40 @@ class SkipMonitor:
       (of the member with the longest streak), else None.
 
     Raises:
-      FloatingPointError: once per new `last_nonfinite_write`: a skipped
-        step was given non-finite parameters, which an applied update wrote
-        (see `docs/guides/failure_modes.md`); it names the members, the
-        leaves, the step and the fix. A state restored with such a record
-        raises in a new monitor.
+      FloatingPointError: for a new `last_nonfinite_write`, and at every
+        call while every step since its writer has skipped: a skipped step
+        was given non-finite parameters, which an applied update wrote (see
+        `docs/guides/failure_modes.md`); it names the members, the leaves,
+        the step and the fix. A state restored with such a record raises in
+        a new monitor, and a run restored in the same process that writes
+        it again raises again.
       ConsecutiveSkipsError: if `consecutive_skipped_steps` has reached
         `max_consecutive_skips`; its message names the count, the scales,
         whether the loss was finite, the leaves and the likely fix.
       ValueError: if the state holds no `LossScaleOptimizerState`, or
         several.
     """
-    state, batched = _read("SkipMonitor", opt_state)
+    state, batched = _on_host("SkipMonitor", opt_state)
     skipped, write = state.skipped_steps, state.last_nonfinite_write
-    # A count that went down (a restored checkpoint) is news too.
-    new = [int(m) for m in _changed(self._seen, skipped)]
-    self._seen = skipped.copy()
+    # A skip is news if its record is not the one seen: its step and count
+    # (a count that went back, in a restored checkpoint, is news too).
+    record = np.stack([state.last_skip.step, skipped], axis=-1)
+    new = [int(m) for m in _changed(self._seen, record, start=-1)]
+    self._seen = record
     found = (_report(state, m, batched) for m in new)
     reports = [report for report in found if report is not None]
     if self.log is not None:
       for report in reports:
         self.log(report)
-    wrote = _changed(self._seen_write, write.step, start=-1)
+    # A write is news, or still the cause: every step since it skipped (a
+    # run restored in this process that wrote it again included).
+    applied = state.steps - state.consecutive_skipped_steps - 1
+    current = (state.consecutive_skipped_steps > 0) & (write.step == applied)
+    changed = np.zeros(current.shape, bool)
+    changed[_changed(self._seen_write, write.step, start=-1)] = True
     self._seen_write = write.step.copy()
-    wrote = wrote[write.nonfinite[wrote].any(axis=-1)]
+    bad = write.nonfinite.any(axis=-1)
+    wrote = np.flatnonzero((changed | current) & bad)
     if wrote.size:
       raise FloatingPointError(_write_message(state, wrote.tolist(), batched))
     limit = self.max_consecutive_skips

@@ -2,13 +2,35 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from optax_lossscale import _states, _validation
-from optax_lossscale._loss_scale import LossScale
+from optax_lossscale._loss_scale import (
+  DynamicLossScale,
+  FixedLossScale,
+  LossScale,
+  NoOpLossScale,
+)
+
+_FLOAT16_MAX = 65504.0
+
+
+def _may_pass_float16(loss_scale: LossScale) -> bool:
+  """Whether the scale can pass float16's largest value."""
+  if isinstance(loss_scale, NoOpLossScale):
+    return False
+  if isinstance(loss_scale, FixedLossScale):
+    return loss_scale.loss_scale_value > _FLOAT16_MAX
+  if isinstance(loss_scale, DynamicLossScale):
+    top = loss_scale.max_loss_scale
+    return top is None or top > _FLOAT16_MAX
+  return True
+
 
 __all__ = ["scaled_value_and_grad"]
 
@@ -75,6 +97,15 @@ def scaled_value_and_grad(
           " return a scalar loss, or return `(loss, aux)` and pass `has_aux=True`."
         )
       loss, aux = out if has_aux else (out, None)
+      if jnp.result_type(loss) == jnp.float16 and _may_pass_float16(loss_scale):
+        warnings.warn(
+          "`scaled_value_and_grad`: the loss is float16, so its cotangent,"
+          " the loss scale, is float16 too: every scale above 65504 makes"
+          " every gradient inf, and the scale stops at 2**15. Return the loss"
+          " in float32 (`loss.astype(jnp.float32)` after a float16 forward"
+          " pass), or pass `max_loss_scale=2.0**15`.",
+          stacklevel=4,
+        )
       return loss_scale.scale(loss), ((loss, aux) if has_aux else loss)
 
     grads, value = jax.grad(scaled, argnums, has_aux=True)(*args, **kwargs)

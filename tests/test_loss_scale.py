@@ -128,8 +128,10 @@ BAD_HYPERPARAMETERS = [
   ),
   (dict(initial_loss_scale=None), TypeError, "got NoneType None."),
   (dict(initial_loss_scale=[2.0]), TypeError, "got list [2.0]."),
-  (dict(min_loss_scale=0.0), ValueError, "greater than 0, got 0.0."),
-  (dict(min_loss_scale=-1.0), ValueError, "greater than 0, got -1.0."),
+  (dict(min_loss_scale=0.0), ValueError, "normal number, got 0.0."),
+  (dict(min_loss_scale=-1.0), ValueError, "normal number, got -1.0."),
+  # A subnormal floor flushes to 0: every step would skip.
+  (dict(min_loss_scale=1e-39), ValueError, "normal number, got 1e-39."),
   (
     dict(max_loss_scale=2.0**14),
     ValueError,
@@ -578,3 +580,13 @@ def test_a_scaled_float16_loss_overflows_but_its_gradients_need_not():
   # A scale beyond float16's largest value overflows the cotangent itself.
   grads = jax.grad(scaled_loss)(jnp.ones(2), ols.FixedLossScale(2**16))
   assert not bool(ols.all_finite(grads))
+
+
+def test_a_stored_infinite_scale_counts_as_the_default_ceiling():
+  # max_loss_scale=None is float32's maximum: +inf is clamped to it, so that
+  # the next overflow lowers the scale (inf / 2 would stay inf for ever).
+  ls = ols.DynamicLossScale(current_loss_scale=jnp.float32(np.inf))
+  top = np.finfo(np.float32).max
+  assert float(jax.jit(lambda ls: ls())(ls)) == top
+  lowered, should_apply = jax.jit(lambda ls: ls.adjust(jnp.array(False)))(ls)
+  assert not bool(should_apply) and float(lowered()) == top / 2

@@ -408,7 +408,8 @@ def test_the_monitor_names_parameters_that_an_applied_update_made_nonfinite():
     assert part in message, (part, message)
   assert "['b']" not in message
   _, params, state = step(params, state)
-  assert monitor(state).consecutive_skipped_steps == 5  # raised once only
+  with pytest.raises(FloatingPointError):  # every step since has skipped
+    monitor(state)
   with pytest.raises(FloatingPointError):
     ols.SkipMonitor(log=None)(state)  # a fresh monitor raises too
 
@@ -432,3 +433,81 @@ def test_the_monitor_names_the_members_whose_parameters_are_nonfinite():
   assert np.asarray(state.last_nonfinite_write.step).tolist() == [-1, 0, 0]
   with pytest.raises(FloatingPointError, match=r"members \[1, 2\].*\['w'\]"):
     ols.SkipMonitor(log=None)(state)
+
+
+def test_a_report_names_no_leaf_whose_gradient_is_none():
+  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale())
+  state = tx.init({"a": jnp.ones(2), "b": jnp.ones(3)})
+  grads = {"a": jnp.array([INF, 1.0]), "b": None}
+  _, state = jax.jit(tx.update)(grads, state)
+  assert _only(state).nonfinite == ("['a']",)
+  with pytest.raises(ValueError, match="the gradients have 1 leaves"):
+    tx.update({"a": jnp.array([INF, 1.0])}, state)
+
+
+@pytest.mark.parametrize("reader", ["skip_reports", "SkipMonitor"])
+def test_reading_the_state_inside_jit_says_it_runs_on_the_host(reader):
+  call = ols.skip_reports if reader == "skip_reports" else ols.SkipMonitor()
+  state = TX.init(PARAMS)
+  with pytest.raises(TypeError, match=rf"`{reader}\(opt_state\)`.*on the host"):
+    jax.jit(call)(state)
+
+
+def _nan_write_run(monitor, restore=None):
+  """A run whose step 1 writes inf (finite gradients, a large learning
+  rate), and whose step 2 skips on the NaN it makes."""
+  tx = ols.LossScaleOptimizer(optax.sgd(1e3), ols.DynamicLossScale(8.0))
+  step = jax.jit(tx.apply_gradients)
+  params = {"w": jnp.ones(2)}
+  state = tx.init(params) if restore is None else restore[1]
+  params = params if restore is None else restore[0]
+  checkpoint = (params, state)
+  raised = []
+  for i in range(int(state.steps), 3):
+    grads = {"w": jnp.full(2, -1e36 if i == 1 else 1e-4) * 8.0}
+    if i == 2:
+      grads = {"w": jnp.full(2, NAN)}
+    params, state = step(grads, state, params)
+    try:
+      monitor(state)
+    except FloatingPointError as error:
+      raised.append(str(error))
+    if i == 0:
+      checkpoint = (params, state)
+  return raised, checkpoint
+
+
+def test_the_monitor_raises_again_after_a_rollback_in_the_same_process():
+  monitor = ols.SkipMonitor(log=None)
+  raised, checkpoint = _nan_write_run(monitor)
+  assert len(raised) == 1 and "Step 1 (0-based)" in raised[0]
+  # Restarted from the checkpoint taken before step 1, as the error
+  # advises: the same write at the same step raises again, also when the
+  # monitor is called only once the run skips again.
+  raised, _ = _nan_write_run(monitor, restore=checkpoint)
+  assert len(raised) == 1 and "Step 1 (0-based)" in raised[0]
+  raised, _ = _nan_write_run(lambda s: s.steps < 3 or monitor(s), checkpoint)
+  assert len(raised) == 1 and "Step 1 (0-based)" in raised[0]
+
+
+def test_the_monitor_logs_a_skip_whose_count_returns_after_a_rollback():
+  logged = []
+  monitor = ols.SkipMonitor(log=logged.append)
+  step = jax.jit(TX.apply_gradients)
+  state = TX.init(PARAMS)
+  bad = {"w": jnp.full(3, NAN), "v": jnp.ones(2)}
+  good = {"w": jnp.ones(3), "v": jnp.ones(2)}
+  _, checkpoint = step(good, state, PARAMS)
+  _, state = step(bad, checkpoint, PARAMS)
+  monitor(state)
+  monitor(checkpoint)  # restored: the step count went back
+  _, state = step(bad, checkpoint, PARAMS)  # the same count, 1, again
+  monitor(state)
+  assert [r.skipped_steps for r in logged] == [1, 1]
+
+
+def test_the_monitor_names_a_loss_scaler_inside_multisteps():
+  inner = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale())
+  multi = optax.MultiSteps(inner.gradient_transformation(), 2)
+  with pytest.raises(ValueError, match="gradient_accumulation_steps=k"):
+    ols.SkipMonitor()(multi.init(PARAMS))
