@@ -405,18 +405,25 @@ def test_one_cond_per_step_and_no_host_callback(entry):
     (loop,) = [e for e in jaxpr.eqns if e.primitive is lax.while_p]
     jaxpr = loop.params["body_jaxpr"].jaxpr
   main, small = _conds(jaxpr, smallest)
-  assert len(main) == 1 and len(small) == 1
-  # The exact check is the only other conditional; it gives a flag per leaf.
-  assert [v.aval.shape for v in small[0].outvars] == [(2,)]
-  # The skip is the cond, not a select over the parameters or state (in the
-  # retry loop, a held attempt selects between a state and itself).
+  # One conditional around `inner`; any other returns nothing of a leaf's
+  # size (the exact check returns flags and a norm).
+  assert len(main) == 1
+  assert all(v.aval.size < smallest for e in small for v in e.outvars)
+  # The skip is the cond, not a select over the parameters or state: in the
+  # retry loop, a held attempt selects between a buffer and itself.
   shapes = {jnp.shape(x) for x in jax.tree.leaves(_params())} - {()}
-  selects = [
-    e.outvars[0].aval.shape
+  wheres = [  # `jnp.where` is a jitted call: its operands are the call's
+    e
+    for e in _eqns(jaxpr)
+    if e.params.get("name") == "_where" and e.outvars[0].aval.shape in shapes
+  ]
+  assert all(len(set(map(id, e.invars[1:]))) == 1 for e in wheres)
+  selects = [  # and no select of that size outside such a call
+    e
     for e in _eqns(jaxpr)
     if e.primitive is lax.select_n_p and e.outvars[0].aval.shape in shapes
   ]
-  assert selects == [] or entry == "minimize-retries"
+  assert len(selects) == len(wheres)
   assert not any("callback" in e.primitive.name for e in _eqns(jaxpr))
 
 
@@ -1368,21 +1375,26 @@ def test_half_gradients_are_clipped_in_their_dtype_and_normed_in_float32(
 
 
 def test_finite_gradients_whose_squares_overflow_are_applied():
-  # float32's largest finite values: the sum of squares overflows, the exact
-  # check runs and finds every leaf finite. The norm is inf; the clip then
-  # zeroes the step, as Optax's does, and without a clip it applies.
+  # Scaled squares past float32's range, at a scale where the bug showed:
+  # the exact check finds every leaf finite and norms the unscaled
+  # gradients, so the clip is Optax's. Where the unscaled squares overflow
+  # too (float32's largest values at scale 1), the norm is inf, as Optax's,
+  # and the clip zeroes the step as Optax's does.
   big = float(np.finfo(np.float32).max)
-  grads = {"w": jnp.array([big / 2, -big / 2]), "b": jnp.ones(3)}
-  params = jax.tree.map(jnp.zeros_like, grads)
-  for max_norm, factor in [(None, 1.0), (1.0, 0.0)]:
-    tx = ols.LossScaleOptimizer(
-      optax.sgd(1.0), ols.NoOpLossScale(), max_norm=max_norm
-    )
-    new, state = jax.jit(tx.apply_gradients)(grads, tx.init(params), params)
-    assert bool(state.should_apply) and int(state.skipped_steps) == 0
-    assert float(state.grad_norm) == np.inf
-    expected = jax.tree.map(lambda g, f=factor: -f * g, grads)
-    chex.assert_trees_all_equal(new, expected)
+  cases = [
+    (ols.DynamicLossScale(2.0**20), [3e15, 4e15], [-0.6, -0.8], 5e15),
+    (ols.NoOpLossScale(), [big / 2, -big / 2], [0.0, 0.0], np.inf),
+  ]
+  for ls, unscaled, clipped, norm in cases:
+    grads = {"w": jnp.array(unscaled) * ls(), "b": jnp.zeros(3)}
+    params = jax.tree.map(jnp.zeros_like, grads)
+    for max_norm in (None, 1.0):
+      tx = ols.LossScaleOptimizer(optax.sgd(1.0), ls, max_norm=max_norm)
+      new, state = jax.jit(tx.apply_gradients)(grads, tx.init(params), params)
+      assert bool(state.should_apply) and int(state.skipped_steps) == 0
+      assert float(state.grad_norm) == pytest.approx(norm, rel=1e-6)
+      want = clipped if max_norm else [-u for u in unscaled]
+      np.testing.assert_allclose(new["w"], want, rtol=1e-6, atol=0)
   # TensorFlow's rule, bit for bit: such a step grows nothing it should not.
   ls = ols.DynamicLossScale(2.0, 1)
   tx = ols.LossScaleOptimizer(optax.sgd(0.0), ls)
@@ -1579,3 +1591,79 @@ def test_lookahead_in_an_ensemble_and_what_it_refuses():
   )
   with pytest.raises(ValueError, match="not supported in `optax.lookahead`"):
     fp8_tx.init(fp8)
+
+
+# --- The norm and the clip at every scale ------------------------------------
+
+
+def test_the_clip_does_not_freeze_once_the_scaled_squares_pass_float32():
+  # The issue's loop: a growing scale takes the scaled squares past
+  # float32's range while every gradient stays finite. The clip must keep
+  # stepping, as Optax's does on the unscaled gradients.
+  tx = ols.LossScaleOptimizer(
+    optax.sgd(0.1),
+    ols.DynamicLossScale(2.0**58, increment_period=1),
+    max_norm=1.0,
+  )
+  params = {"w": jnp.full((4,), 3.0)}
+  state = tx.init(params)
+  step = jax.jit(tx.minimize, static_argnums=0)
+  for _ in range(8):
+    before = params["w"]
+    _, params, state = step(lambda p: jnp.sum(p["w"] ** 2), params, state)
+    assert bool(state.should_apply)
+    norm = float(optax.tree.norm({"w": 2 * before}))
+    assert float(state.grad_norm) == pytest.approx(norm, rel=1e-6)
+    np.testing.assert_allclose(params["w"], before - 0.1 * 0.5, rtol=1e-6)
+  assert float(state.loss_scale()) > 2.0**64  # the squares passed float32
+
+
+@pytest.mark.parametrize(
+  "loss_scale",
+  [
+    ols.FixedLossScale(2.0**15),  # scaled squares overflow float32
+    ols.DynamicLossScale(2.0**-70, min_loss_scale=2.0**-80),  # underflow
+    ols.DynamicLossScale(1000.0),  # not a power of two
+  ],
+  ids=["overflow", "underflow", "scale-1000"],
+)
+@pytest.mark.parametrize("unscaled", [[3e15, 4e15], [60.0, 80.0], [3e-3, 4e-3]])
+def test_the_norm_and_the_clip_are_optax_s_at_every_scale(loss_scale, unscaled):
+  tx = ols.LossScaleOptimizer(optax.sgd(1.0), loss_scale, max_norm=1.0)
+  params = {"w": jnp.zeros(2)}
+  grads = {"w": jnp.array(unscaled) * loss_scale()}
+  new, state = jax.jit(tx.apply_gradients)(grads, tx.init(params), params)
+  want_updates, _ = optax.clip_by_global_norm(1.0).update(
+    {"w": jnp.array(unscaled)}, optax.EmptyState()
+  )
+  np.testing.assert_allclose(new["w"], -want_updates["w"], rtol=2e-6)
+  norm = float(optax.tree.norm({"w": jnp.array(unscaled)}))
+  assert float(state.grad_norm) == pytest.approx(norm, rel=2e-6)
+  assert bool(state.should_apply)
+
+
+def test_a_nonfinite_step_below_scale_one_logs_an_infinite_norm():
+  # `grad_norm` is inf on a skipped overflow, at any scale (the docs).
+  ls = ols.DynamicLossScale(0.25, min_loss_scale=2.0**-10)
+  tx = ols.LossScaleOptimizer(optax.sgd(1.0), ls, max_norm=1.0)
+  params = {"w": jnp.zeros(2), "b": jnp.zeros(3)}
+  step = jax.jit(tx.apply_gradients)
+  for bad in (jnp.inf, jnp.nan):
+    grads = {"w": jnp.array([bad, 1.0]), "b": jnp.ones(3)}
+    new, state = step(grads, tx.init(params), params)
+    assert not bool(state.should_apply)
+    assert float(state.grad_norm) == np.inf
+    chex.assert_trees_all_equal(new, params)
+
+
+def test_float64_gradients_are_normed_in_float64():
+  with jax.enable_x64(True):
+    tx = ols.LossScaleOptimizer(
+      optax.sgd(1.0), ols.NoOpLossScale(), max_norm=1.0
+    )
+    params = {"w": jnp.zeros(2, jnp.float64)}
+    grads = {"w": jnp.array([3e19, 4e19], jnp.float64)}
+    new, state = jax.jit(tx.apply_gradients)(grads, tx.init(params), params)
+    assert new["w"].dtype == jnp.float64
+    np.testing.assert_allclose(new["w"], [-0.6, -0.8], rtol=1e-12)
+    assert float(state.grad_norm) == pytest.approx(5e19, rel=1e-6)
