@@ -156,12 +156,29 @@ def flags(read: Sequence[Piece], n: int, unscale: Any = None) -> jax.Array:
   With `unscale`, trained pieces are read through it. Leaves in no piece
   (None, integers, `float0`) are finite. No collective combines replicas.
   """
-  found, order = [], []
+  # One reduction per group of pieces of one type: a variadic reduction
+  # compiles to one kernel where a reduction per piece compiled to one each
+  # (the write record and the exact check are in branches that rarely run,
+  # but every branch is compiled).
+  groups: dict[Any, list[Piece]] = {}
   for p in read:
-    read_as = p.array if unscale is None or p.overwritten else unscale(p.array)
-    finite = jnp.isfinite(read_as)
-    found.append(jnp.all(finite, axis=1 if p.rows else None).reshape(-1))
-    order.extend(p.leaves)
+    x = p.array
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    key = (x.shape, x.dtype, p.rows, sharding, varying_axes(x))
+    groups.setdefault(key, []).append(p)
+  found, order = [], []
+  for (shape, *_), group in groups.items():
+    finite = [
+      jnp.isfinite(
+        p.array if unscale is None or p.overwritten else unscale(p.array)
+      )
+      for p in group
+    ]
+    axes = tuple(range(1 if group[0].rows else 0, len(shape)))
+    both = lambda a, b: tuple(x & y for x, y in zip(a, b, strict=True))  # noqa: E731
+    reduced = lax.reduce(finite, [True] * len(finite), both, axes)
+    found.extend(r.reshape(-1) for r in jax.tree.leaves(reduced))
+    order.extend(i for p in group for i in p.leaves)
   others = sorted(set(range(n)) - set(order))
   if others:
     found.append(jnp.ones((len(others),), jnp.bool_))

@@ -121,7 +121,9 @@ def _on_host(call: str, opt_state: Any) -> tuple[Any, bool]:
     return np.resize(x, (skipped.size, *x.shape[skipped.ndim :]))
 
   host = own._replace(loss_scale=state.loss_scale())
-  return jax.tree.map(rows, host), bool(skipped.ndim)
+  # An NNX optimizer's state wraps each array in a variable: read it whole.
+  array = lambda x: hasattr(x, "__array__")  # noqa: E731
+  return jax.tree.map(rows, host, is_leaf=array), bool(skipped.ndim)
 
 
 def _flagged(names: Sequence[str], flags: np.ndarray) -> tuple[str, ...]:
