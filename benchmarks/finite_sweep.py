@@ -29,7 +29,7 @@ import numpy as np
 
 import optax_lossscale as ols
 from optax_lossscale import (
-  _read,
+  _verdict,
 )  # the step's read, which no public name runs alone
 
 REPEATS = 7
@@ -124,7 +124,9 @@ def one_liner(tree: Any) -> jax.Array:
 
 
 def step_read(tree: Any) -> jax.Array:
-  checks = _read.check("sweep", ols.DynamicLossScale(2.0**10), tree, None, None)
+  checks = _verdict.read(
+    "sweep", ols.DynamicLossScale(2.0**10), tree, None, None
+  )
   return checks.grads_finite & (checks.norm >= 0)
 
 
