@@ -17,7 +17,15 @@ __all__ = ["check_state"]
 
 T = TypeVar("T")
 # The int32 counters, `skipped_steps` and `consecutive_skipped_steps` first.
-_COUNTERS = (*LossScaleOptimizerState._fields[3:7], "steps", "accumulated")
+_COUNTERS = (
+  "skipped_steps",
+  "consecutive_skipped_steps",
+  "nonfinite_loss_steps",
+  "retries",
+  "steps",
+  "accumulated",
+  "micro_step",
+)
 _MOVES = "steps take the nearest bound"
 _GROWS = "the next finite step grows the scale"
 _LOWERS = "the next non-finite step lowers the scale"
@@ -89,7 +97,8 @@ def _check_optimizer_state(state: LossScaleOptimizerState, path: str) -> None:
     got = _validation.describe(state.loss_scale)
     raise TypeError(f"`{path}.loss_scale` must be a LossScale, got {got}.")
   shape = np.shape(_array(state.should_apply))
-  _check(f"`{path}.should_apply`", state.should_apply, np.bool_, shape)
+  for flag in ("should_apply", "stepped"):
+    _check(f"`{path}.{flag}`", getattr(state, flag), np.bool_, shape)
   skipped, consecutive, *_ = [
     _check(f"`{path}.{name}`", getattr(state, name), np.int32, shape)
     for name in _COUNTERS

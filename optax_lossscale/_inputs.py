@@ -46,26 +46,28 @@ def like_grads(params: Any) -> Any:
   return params.fast if isinstance(params, optax.LookaheadParams) else params
 
 
-def overwrite_mask(call: str, overwrite: Any, tree: Any) -> Any:
+def overwritten_leaves(call: str, overwrite: Any, tree: Any) -> Any:
   """Per leaf of `tree`, whether the gradient overwrites it: bools."""
   rule = _in_overwrite_collection if overwrite is None else overwrite
   try:  # a function of the path, or a pytree of bools (or its prefix)
     if callable(rule):
-      mask = jax.tree_util.tree_map_with_path(lambda p, _: rule(p), tree)
+      marks = jax.tree_util.tree_map_with_path(lambda p, _: rule(p), tree)
     else:
-      mask = jax.tree.map(lambda m, x: jax.tree.map(lambda _: m, x), rule, tree)
+      marks = jax.tree.map(
+        lambda m, x: jax.tree.map(lambda _: m, x), rule, tree
+      )
   except ValueError as e:
     raise ValueError(
       f"`{call}`: `overwrite_with_gradient` must be a function or a pytree"
       f" of bools like the parameters: {e}"
     ) from None
-  for flag in jax.tree.leaves(mask):
+  for flag in jax.tree.leaves(marks):
     if not isinstance(flag, (bool, np.bool_)):
       raise TypeError(
         f"`{call}`: `overwrite_with_gradient` must give a bool per leaf, got"
         f" {_validation.describe(flag)}."
       )
-  return mask
+  return marks
 
 
 def check_loss_scale(call: str, loss_scale: Any) -> None:

@@ -18,9 +18,9 @@ AxisName = Hashable | Sequence[Hashable] | None
 
 # Leaves of up to _SMALL elements that are whole on each device are read a
 # stack at a time, one row per leaf: a reduction per small leaf costs more
-# to launch, and on XLA:CPU to compile, than copying the leaf (first compile
-# of 400 leaves of 1,000: 2.51x plain Adam's with one reduction per leaf,
-# 1.84x stacked). A stack holds at most _STACK leaves of one dtype and
+# to launch, and on XLA:CPU to compile, than copying the leaf (the first
+# compile of 400 leaves, benchmarks/COMPILE.md). A stack holds at most
+# _STACK leaves of one dtype and
 # `shard_map` type, each at most _PADDING times the size of the smallest,
 # which bounds the zero padding. Larger or sharded leaves are read in place.
 _SMALL = 2**12
@@ -97,10 +97,10 @@ def pieces(
     else:
       out.append(Piece(x, [i], False, overwritten[i]))
   sizes = [0 if x is None else x.size for x in arrays]
-  for (*_, plain), same in small.items():
+  for (*_, marked), same in small.items():
     for stack in _stacks(same, sizes):
       rows = _rows([arrays[i].ravel() for i in stack])  # type: ignore[union-attr]
-      out.append(Piece(rows, stack, True, plain))
+      out.append(Piece(rows, stack, True, marked))
   return out
 
 

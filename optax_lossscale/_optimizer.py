@@ -378,7 +378,7 @@ class LossScaleOptimizer:
 
   def _overwritten(self, call: str, tree: Any) -> Any:
     """Per leaf of `tree`, whether it is an overwritten (FP8) leaf."""
-    return _inputs.overwrite_mask(call, self.overwrite_with_gradient, tree)
+    return _inputs.overwritten_leaves(call, self.overwrite_with_gradient, tree)
 
   def update(
     self,
