@@ -1,11 +1,15 @@
-"""Gradient accumulation: `LossScaleOptimizer(optax.MultiSteps(...))`.
+"""Gradient accumulation: `LossScaleOptimizer`'s `gradient_accumulation_steps`.
 
 Windows follow the loop: the optimizer steps at every k-th micro-batch,
 counting the dropped ones, on the mean of the micro-batches the window
-kept. Each micro-batch is checked before it is accumulated: a non-finite
-one is dropped alone and lowers the scale at once; finite ones raise it
-once per window. `max_norm` clips the window's mean, and `grad_norm` is its
-norm, as `optax.MultiSteps(chain(clip_by_global_norm, inner), k)` would.
+kept; `state.stepped` says when it did. Each micro-batch is checked before
+it is accumulated: a non-finite one is dropped alone and lowers the scale
+at once; finite ones raise it once per window, and each restarts a
+consecutive hysteresis. `max_norm` clips the window's mean, and `grad_norm`
+is its norm, as `optax.MultiSteps(chain(clip_by_global_norm, inner), k)`
+would. The window's counters and mean are the state's own fields
+(`micro_step`, `accumulated`, `accumulator`): a state saved mid-window
+resumes it. An `optax.MultiSteps` as `inner` is refused.
 """
 
 from __future__ import annotations
@@ -33,16 +37,17 @@ def _reference(flags, *, hysteresis, consecutive, scale=2.0**10, period=2):
 
   Every micro-batch counts towards its window. A finite micro-batch is a
   finite step of the loss scale only when it closes its window; a
-  non-finite one is a non-finite step at once.
+  non-finite one is a non-finite step at once. Every finite micro-batch
+  restarts a consecutive hysteresis, also inside an open window.
   """
   good, bad, position, out = 0, 0, 0, []
   for finite in flags:
     position = (position + 1) % K
     if finite:
+      if consecutive:
+        bad = 0
       if position == 0:
         good += 1
-        if consecutive:
-          bad = 0
         if good >= period:
           scale, good, bad = scale * 2, 0, 0
     else:
@@ -53,9 +58,16 @@ def _reference(flags, *, hysteresis, consecutive, scale=2.0**10, period=2):
   return out
 
 
-def _inner(**options):
-  return optax.MultiSteps(
-    optax.sgd(0.1, momentum=0.9), every_k_schedule=K, **options
+def _inner():
+  return optax.sgd(0.1, momentum=0.9)
+
+
+def _accumulating(loss_scale, k=K, inner=None, **options):
+  return ols.LossScaleOptimizer(
+    _inner() if inner is None else inner,
+    loss_scale,
+    gradient_accumulation_steps=k,
+    **options,
   )
 
 
@@ -65,13 +77,13 @@ class _Windows:
   last micro-batch, counting dropped ones, as PyTorch's loop would.
   """
 
-  def __init__(self, inner, k, max_norm=None, mean=True):
+  def __init__(self, inner, k, max_norm=None):
     clip = (
       optax.identity()
       if max_norm is None
       else (optax.clip_by_global_norm(max_norm))
     )
-    self.tx, self.k, self.mean = optax.chain(clip, inner), k, mean
+    self.tx, self.k = optax.chain(clip, inner), k
     self.kept, self.position, self.state = [], 0, None
     self.norms, self.steps = [], []
 
@@ -87,9 +99,7 @@ class _Windows:
     if not kept:
       return params
     total = jax.tree.map(lambda *g: sum(g[1:], g[0]), *kept)
-    window = (
-      jax.tree.map(lambda g: g / len(kept), total) if self.mean else total
-    )
+    window = jax.tree.map(lambda g: g / len(kept), total)
     self.norms.append(float(optax.tree.norm(window)))
     updates, self.state = self.tx.update(window, self.state, params)
     self.steps.append(True)
@@ -117,8 +127,8 @@ def test_the_scale_moves_once_per_window_and_at_once_on_an_overflow(
   ls = ols.DynamicLossScale(
     2.0**10, 2, hysteresis=hysteresis, consecutive_hysteresis=consecutive
   )
-  tx = ols.LossScaleOptimizer(_inner(), ls)
-  reference = _Windows(optax.sgd(0.1, momentum=0.9), K)
+  tx = _accumulating(ls)
+  reference = _Windows(_inner(), K)
   params = expected = {"w": jnp.ones(3), "b": jnp.zeros(2)}
   state = tx.init(params)
 
@@ -130,16 +140,17 @@ def test_the_scale_moves_once_per_window_and_at_once_on_an_overflow(
     return optax.apply_updates(params, updates), state
 
   extra = dict(value=jnp.float32(1.0)) if value else {}
-  seen = []
+  seen, stepped = [], 0
   for i, finite in enumerate(FLAGS):
     grads = {"w": jnp.full(3, 0.25 + i), "b": jnp.ones(2)}
-    acc = state.inner_state.acc_grads
+    acc = state.accumulator
     params, state = step(
       _scaled(grads, state.loss_scale(), finite), state, params, **extra
     )
     expected = reference(expected, grads, finite)
     if not finite and (i + 1) % K:  # dropped alone: the accumulator is kept
-      chex.assert_trees_all_equal(state.inner_state.acc_grads, acc)
+      chex.assert_trees_all_equal(state.accumulator, acc)
+    stepped += int(state.stepped)
     seen.append(
       (float(state.loss_scale()), int(state.loss_scale.num_good_steps))
     )
@@ -149,8 +160,37 @@ def test_the_scale_moves_once_per_window_and_at_once_on_an_overflow(
   assert any(b > a for a, b in zip(scales, scales[1:], strict=False))
   assert any(b < a for a, b in zip(scales, scales[1:], strict=False))
   chex.assert_trees_all_close(params, expected, rtol=1e-6)
-  assert int(state.inner_state.gradient_step) == len(reference.steps)
+  assert stepped == len(reference.steps)
   assert int(state.skipped_steps) == int((~FLAGS).sum())
+
+
+@pytest.mark.parametrize("accumulate", [True, False])
+def test_a_kept_micro_batch_restarts_a_consecutive_hysteresis(accumulate):
+  # The issue's case: hysteresis 2, consecutive, k = 4; micro-batches
+  # overflow, fit, overflow, fit. Each fitting one restarts the count of
+  # bad steps, inside the open window too, as the same loop without
+  # accumulation does: the two overflows are not consecutive, and the
+  # scale holds. (Were only the window's last micro-batch to restart it,
+  # the second overflow would halve the scale.)
+  ls = ols.DynamicLossScale(2.0**10, hysteresis=2, consecutive_hysteresis=True)
+  tx = (
+    _accumulating(ls, 4) if accumulate else ols.LossScaleOptimizer(_inner(), ls)
+  )
+  params = {"w": jnp.ones(3), "b": jnp.zeros(2)}
+  state = tx.init(params)
+  step = jax.jit(tx.apply_gradients)
+  grads = {"w": jnp.full(3, 0.5), "b": jnp.ones(2)}
+  scales, bad = [], []
+  for finite in [False, True, False, True]:
+    params, state = step(
+      _scaled(grads, state.loss_scale(), finite), state, params
+    )
+    scales.append(float(state.loss_scale()))
+    bad.append(int(state.loss_scale.num_bad_steps))
+  assert scales == [2.0**10] * 4
+  assert bad == [1, 0, 1, 0]
+  assert int(state.skipped_steps) == 2
+  assert bool(state.stepped)  # the window kept two: it steps
 
 
 # The issue's loop, as PyTorch, DeepSpeed and Megatron-LM run it: 24
@@ -159,15 +199,11 @@ def test_the_scale_moves_once_per_window_and_at_once_on_an_overflow(
 LOOP = [i not in (5, 6, 13, 19) for i in range(24)]
 
 
-@pytest.mark.parametrize("mean", [True, False])
 @pytest.mark.parametrize("entry", ["apply_gradients", "update", "minimize"])
-def test_windows_follow_the_loop_and_clip_the_mean_of_the_kept_ones(
-  entry, mean
-):
+def test_windows_follow_the_loop_and_clip_the_mean_of_the_kept_ones(entry):
   adamw = optax.adamw(0.05, weight_decay=0.01)
-  multi = optax.MultiSteps(adamw, 4, use_grad_mean=mean)
-  tx = ols.LossScaleOptimizer(multi, ols.DynamicLossScale(2.0**8), max_norm=1.0)
-  reference = _Windows(adamw, 4, max_norm=1.0, mean=mean)
+  tx = _accumulating(ols.DynamicLossScale(2.0**8), 4, inner=adamw, max_norm=1.0)
+  reference = _Windows(adamw, 4, max_norm=1.0)
 
   def loss(p, x):
     y = (p["w"] * x[0]).astype(jnp.float16) * x[1].astype(jnp.float16)
@@ -193,7 +229,7 @@ def test_windows_follow_the_loop_and_clip_the_mean_of_the_kept_ones(
     grads = jax.grad(loss)(expected, x)
     params, state = step(params, state, x)
     expected = reference(expected, grads, finite)
-    if bool(multi.has_updated(state.inner_state)):
+    if bool(state.stepped):
       steps.append(i)
       norms.append(float(state.grad_norm))
   assert steps == [3, 7, 11, 15, 19, 23]
@@ -201,69 +237,72 @@ def test_windows_follow_the_loop_and_clip_the_mean_of_the_kept_ones(
   assert max(norms) > 1.0  # the clip acted
   chex.assert_trees_all_close(params, expected, rtol=2e-5, atol=1e-6)
   assert int(state.skipped_steps) == LOOP.count(False)
-  assert int(state.accumulated) == 0
+  assert int(state.accumulated) == 0 and int(state.micro_step) == 0
 
 
 def test_a_window_holding_an_applied_inf_is_not_clipped_into_a_nan():
-  # skip_nonfinite=False keeps an inf micro-batch; the window's sum holds
-  # it, and its norm is inf, though the last micro-batch is finite. The
-  # clip leaves such a window as it is: 0 * inf would be NaN.
-  multi = optax.MultiSteps(optax.sgd(1.0), 2, use_grad_mean=False)
-  tx = ols.LossScaleOptimizer(
-    multi, ols.NoOpLossScale(), max_norm=1.0, skip_nonfinite=False
+  # skip_nonfinite=False keeps an inf micro-batch; the window's mean holds
+  # it, and its norm is inf. The clip leaves such a window as it is:
+  # 0 * inf would be NaN. (The inf comes last: the running mean, as
+  # `optax.MultiSteps`', turns an inf followed by a finite value into NaN.)
+  tx = _accumulating(
+    ols.NoOpLossScale(),
+    2,
+    inner=optax.sgd(1.0),
+    max_norm=1.0,
+    skip_nonfinite=False,
   )
   step = jax.jit(
     checkify.checkify(tx.apply_gradients, errors=checkify.nan_checks)
   )
   params = {"w": jnp.zeros(2)}
   state = tx.init(params)
-  for g in ([jnp.inf, 1.0], [1.0, 1.0]):
+  for g in ([1.0, 1.0], [jnp.inf, 1.0]):
     error, (params, state) = step({"w": jnp.array(g)}, state, params)
     assert error.get() is None
-  assert bool(multi.has_updated(state.inner_state))
+  assert bool(state.stepped)
   assert float(state.grad_norm) == np.inf
-  np.testing.assert_array_equal(params["w"], [-np.inf, -2.0])
+  np.testing.assert_array_equal(params["w"], [-np.inf, -1.0])
 
 
 @pytest.mark.parametrize("entry", ["update", "apply_gradients"])
 def test_a_state_of_another_optimizer_is_refused_by_name(entry):
   params = {"w": jnp.ones(2)}
   plain = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale(8.0))
-  tx = ols.LossScaleOptimizer(_inner(), ols.DynamicLossScale(8.0))
+  tx = _accumulating(ols.DynamicLossScale(8.0))
   with pytest.raises(TypeError, match=r"`inner_state` is not of the structure"):
     getattr(tx, entry)(params, plain.init(params), params)
 
 
 def test_a_window_that_kept_none_is_skipped():
-  tx = ols.LossScaleOptimizer(_inner(), ols.DynamicLossScale(2.0**10))
+  tx = _accumulating(ols.DynamicLossScale(2.0**10))
   params = {"w": jnp.ones(3), "b": jnp.zeros(2)}
   state = tx.init(params)
   grads = {"w": jnp.full(3, 0.5), "b": jnp.ones(2)}
   step = jax.jit(tx.apply_gradients)
-  params, state = step(grads, state, params)
-  params, state = step(grads, state, params)
-  params, state = step(grads, state, params)  # the first window steps
-  before = (params, state.inner_state.inner_opt_state)
+  stepped = []
+  for _ in range(K):  # the first window steps
+    params, state = step(grads, state, params)
+    stepped.append(bool(state.stepped))
+  before = (params, state.inner_state)
   for _ in range(K):
     params, state = step(_scaled(grads, 1.0, False), state, params)
-  chex.assert_trees_all_equal(
-    (params, state.inner_state.inner_opt_state), before
-  )
-  assert int(state.inner_state.gradient_step) == 1
-  assert int(state.inner_state.mini_step) == 0 and int(state.accumulated) == 0
+    stepped.append(bool(state.stepped))
+  chex.assert_trees_all_equal((params, state.inner_state), before)
+  assert stepped == [False, False, True] + [False] * K
+  assert int(state.micro_step) == 0 and int(state.accumulated) == 0
   assert float(state.loss_scale()) == 2.0**7
 
 
 def test_the_norm_is_the_micro_batch_s_and_at_the_step_the_window_s():
-  tx = ols.LossScaleOptimizer(
-    optax.MultiSteps(optax.sgd(1.0), 4), ols.DynamicLossScale(4.0, 1)
-  )
+  tx = _accumulating(ols.DynamicLossScale(4.0, 1), 4, inner=optax.sgd(1.0))
   params = {"w": jnp.zeros(2)}
   state = tx.init(params)
+  step = jax.jit(tx.apply_gradients)
   norms = []
   for i, finite in enumerate([True, True, False, False]):
     grads = {"w": jnp.array([3.0 * (i + 1), 4.0 * (i + 1)])}
-    params, state = tx.apply_gradients(
+    params, state = step(
       _scaled(grads, state.loss_scale(), True)
       if finite
       else {"w": jnp.array([jnp.inf, 0.0])},
@@ -274,36 +313,128 @@ def test_the_norm_is_the_micro_batch_s_and_at_the_step_the_window_s():
   # Each micro-batch's own norm (inf when it overflowed); at the window's
   # last, dropped, the norm of the mean of the two it kept: the step's.
   assert norms == [5.0, 10.0, np.inf, 7.5]
+  assert bool(state.stepped)
   np.testing.assert_allclose(params["w"], [-4.5, -6.0])
 
 
-def test_a_multisteps_that_skips_by_itself_is_refused():
-  inner = optax.MultiSteps(
-    optax.sgd(0.1), 2, should_skip_update_fn=optax.skip_not_finite
-  )
+@pytest.mark.parametrize("form", ["object", "gradient_transformation"])
+def test_a_multisteps_as_inner_is_refused_naming_the_replacement(form):
+  multi = optax.MultiSteps(optax.sgd(0.1), 2)
+  inner = multi if form == "object" else multi.gradient_transformation()
   with pytest.raises(
-    ValueError, match="should_skip_update_fn.*skip_not_finite"
+    TypeError, match=r"MultiSteps.*gradient_accumulation_steps=k"
   ):
     ols.LossScaleOptimizer(inner, ols.DynamicLossScale())
 
 
-def test_a_schedule_of_window_lengths_is_followed():
-  schedule = lambda step: jnp.where(step < 2, 2, 3)  # noqa: E731
-  tx = ols.LossScaleOptimizer(
-    optax.MultiSteps(optax.sgd(0.1), schedule), ols.NoOpLossScale()
-  )
-  params = {"w": jnp.zeros(2)}
-  state = tx.init(params)
+@pytest.mark.parametrize(
+  ("steps", "error"),
+  [(0, ValueError), (-1, ValueError), (2.0, TypeError), (True, TypeError)],
+)
+def test_gradient_accumulation_steps_is_an_int_of_at_least_one(steps, error):
+  with pytest.raises(error, match=r"gradient_accumulation_steps=\.\.\."):
+    _accumulating(ols.DynamicLossScale(), steps)
+
+
+def test_stepped_is_true_exactly_at_the_ends_of_windows_that_kept_one():
+  # Windows of three: one whose middle is dropped, one that kept none, one
+  # whose last two are dropped, one that kept all.
+  flags = [True, False, True] + [False] * 3 + [True, False, False]
+  flags += [True] * 3
+  grads = {"w": jnp.full(3, 0.5), "b": jnp.ones(2)}
+  params = {"w": jnp.ones(3), "b": jnp.zeros(2)}
+  for k in (K, 1):
+    tx = _accumulating(ols.DynamicLossScale(2.0**10), k)
+    state, p = tx.init(params), params
+    assert not bool(state.stepped)
+    step = jax.jit(tx.apply_gradients)
+    stepped, applied, positions, kept = [], [], [], []
+    for finite in flags:
+      p, state = step(_scaled(grads, state.loss_scale(), finite), state, p)
+      stepped.append(bool(state.stepped))
+      applied.append(bool(state.should_apply))
+      positions.append(int(state.micro_step))
+      kept.append(int(state.accumulated))
+    assert applied == flags
+    if k == 1:
+      assert stepped == applied
+      assert positions == kept == [0] * len(flags)
+      assert state.accumulator == ()
+      continue
+    windows = [flags[i : i + K] for i in range(0, len(flags), K)]
+    assert stepped == [i == K - 1 and any(w) for w in windows for i in range(K)]
+    assert positions == [(i + 1) % K for i in range(len(flags))]
+    assert kept == [1, 1, 0, 0, 0, 0, 1, 1, 0, 1, 2, 0]
+
+
+def test_a_state_restored_mid_window_continues_bit_for_bit():
+  # A checkpoint taken after two of four micro-batches (one dropped) holds
+  # the open window: its position, its count and its mean.
+  tx = _accumulating(ols.DynamicLossScale(2.0**10, 2), 4, inner=optax.adam(0.1))
   step = jax.jit(tx.apply_gradients)
-  updated = []
-  for _ in range(10):
-    params, state = step({"w": jnp.ones(2)}, state, params)
-    updated.append(int(state.inner_state.mini_step) == 0)
-  assert updated == [False, True, False, True, False, False, True] + [
-    False,
-    False,
-    True,
+  flags = [True, False, True, True, True, False, True, True]
+
+  def run(params, state, start, stop):
+    for i in range(start, stop):
+      grads = {"w": jnp.linspace(-1.0, 1.0, 3) * (i + 1), "b": jnp.ones(2)}
+      params, state = step(
+        _scaled(grads, state.loss_scale(), flags[i]), state, params
+      )
+    return params, state
+
+  params = {"w": jnp.ones(3), "b": jnp.zeros(2)}
+  whole = run(params, tx.init(params), 0, len(flags))
+  half = run(params, tx.init(params), 0, 2)
+  assert int(half[1].micro_step) == 2 and int(half[1].accumulated) == 1
+  saved = jax.tree.map(np.asarray, half)  # nothing of the device left
+  assert all(type(x) is np.ndarray for x in jax.tree.leaves(saved))
+  resumed = run(*saved, 2, len(flags))
+  chex.assert_trees_all_equal(resumed, whole)
+  assert int(whole[1].skipped_steps) == 2
+
+
+def test_ensemble_members_under_vmap_drop_their_own_micro_batches():
+  # Two members, windows of three: the first drops the middle of its first
+  # window, the second the last of its first window and all of its second.
+  flags = [
+    [True, False, True, True, True, True],
+    [True, True, False, False, False, False],
   ]
+  tx = _accumulating(ols.DynamicLossScale(2.0**10, 2))
+  one = jax.jit(tx.apply_gradients)
+  both = jax.jit(jax.vmap(tx.apply_gradients))
+
+  def grads(m, i, scale):
+    g = {"w": jnp.full(3, 0.5 + i) * (m + 1), "b": jnp.ones(2) * (i - m)}
+    return _scaled(g, scale, flags[m][i])
+
+  starts = [
+    {"w": jnp.full(3, 1.0 + m, jnp.float32), "b": jnp.full(2, -m, jnp.float32)}
+    for m in (0, 1)
+  ]
+
+  def stack(*trees):
+    return jax.tree.map(lambda *x: jnp.stack(x), *trees)
+
+  params = stack(*starts)
+  state = jax.vmap(tx.init)(params)
+  alone = [(p, tx.init(p)) for p in starts]
+  stepped = []
+  for i in range(len(flags[0])):
+    scales = state.loss_scale()
+    g = stack(*[grads(m, i, scales[m]) for m in (0, 1)])
+    params, state = both(g, state, params)
+    alone = [
+      one(grads(m, i, s.loss_scale()), s, p) for m, (p, s) in enumerate(alone)
+    ]
+    stepped.append([bool(x) for x in state.stepped])
+  no, first, yes = [False, False], [True, False], [True, True]
+  assert stepped == [no, no, yes, no, no, first]
+  for m, (p, s) in enumerate(alone):
+    member = jax.tree.map(lambda x, m=m: x[m], (params, state))
+    chex.assert_trees_all_close(member, (p, s), rtol=1e-6)
+  assert [int(n) for n in state.skipped_steps] == [1, 4]
+  assert float(state.loss_scale()[0]) > float(state.loss_scale()[1])
 
 
 def _float16_loss(p, x):
@@ -315,7 +446,7 @@ def _float16_loss(p, x):
 @functools.cache
 def _minimize():
   """An accumulating optimizer and its `minimize` step, compiled once."""
-  tx = ols.LossScaleOptimizer(_inner(), ols.DynamicLossScale(2.0**10, 2))
+  tx = _accumulating(ols.DynamicLossScale(2.0**10, 2))
   step = jax.jit(
     lambda p, s, x: tx.minimize(_float16_loss, p, s, x, max_retries=1)
   )
@@ -347,7 +478,8 @@ def test_a_retried_micro_batch_in_an_open_window_follows_the_one_rule():
   _, params, state = step(params, state, jnp.full(2, 1.0))
   _, params, state = step(params, state, jnp.full(2, 100.0))
   assert int(state.retries) == 1 and bool(state.should_apply)
-  assert int(state.inner_state.mini_step) == 2
+  assert int(state.micro_step) == 2 and int(state.accumulated) == 2
+  assert not bool(state.stepped)
   assert float(state.loss_scale()) == 2.0**9
   assert int(state.loss_scale.num_bad_steps) == 1
 
@@ -380,13 +512,13 @@ def test_multisteps_outside_checks_the_accumulated_gradients_once_per_window():
 
 # `minimize` passes its loss through `apply_gradients`.
 @pytest.mark.parametrize("entry", ["update", "minimize"])
-def test_extra_args_reach_the_optimizer_inside_multisteps(entry):
+def test_extra_args_reach_the_optimizer_when_accumulating(entry):
   def inner():  # `reduce_on_plateau` needs `value=`: it fails without it
     plateau = optax.contrib.reduce_on_plateau(patience=1)
-    return optax.MultiSteps(optax.chain(optax.sgd(0.5), plateau), 2)
+    return optax.chain(optax.sgd(0.5), plateau)
 
-  tx = ols.LossScaleOptimizer(inner(), ols.DynamicLossScale(2.0**4, 1000))
-  reference = inner()
+  tx = _accumulating(ols.DynamicLossScale(2.0**4, 1000), 2, inner=inner())
+  reference = optax.MultiSteps(inner(), 2)
 
   def loss(p, x):
     return jnp.sum((p["w"] * x) ** 2)
@@ -413,24 +545,26 @@ def test_extra_args_reach_the_optimizer_inside_multisteps(entry):
     params, state = step(params, state, x)
     expected, ref_state = reference_step(expected, ref_state, x)
   chex.assert_trees_all_close(params, expected, rtol=1e-6)
-  chex.assert_trees_all_close(state.inner_state, ref_state, rtol=1e-6)
+  chex.assert_trees_all_close(
+    state.inner_state, ref_state.inner_opt_state, rtol=1e-6
+  )
   # The losses rise, so the plateau lowered the learning rate.
-  assert float(state.inner_state.inner_opt_state[1].scale) < 1.0
+  assert float(state.inner_state[1].scale) < 1.0
 
 
 def test_a_micro_batch_retried_at_the_window_s_end_steps_once():
-  tx = ols.LossScaleOptimizer(
-    optax.MultiSteps(optax.sgd(1.0), 2), ols.DynamicLossScale(2.0**10)
-  )
+  tx = _accumulating(ols.DynamicLossScale(2.0**10), 2, inner=optax.sgd(1.0))
   step = jax.jit(
     lambda p, s, x: tx.minimize(_float16_loss, p, s, x, max_retries=1)
   )
   params = {"w": jnp.ones(2)}
   state = tx.init(params)
+  stepped = []
   for x in [1.0, 100.0]:  # 100 overflows at 2**10, fits at 2**9
     _, params, state = step(params, state, jnp.full(2, x))
+    stepped.append(bool(state.stepped))
   np.testing.assert_array_equal(params["w"], 1.0 - (1.0 + 100.0) / 2)
-  assert int(state.inner_state.gradient_step) == 1 and int(state.retries) == 1
+  assert stepped == [False, True] and int(state.retries) == 1
   np.testing.assert_allclose(state.grad_norm, 50.5 * np.sqrt(2), rtol=1e-6)
 
 
@@ -438,27 +572,31 @@ def test_a_micro_batch_retried_at_the_window_s_end_steps_once():
 def test_inner_gets_the_window_in_the_accumulator_s_dtype(entry):
   # float16 gradients, float32 parameters: `optax.MultiSteps` accumulates in
   # float32 and gives its inner optimizer float32; so does the window here.
-  # Four micro-batches of 40000 sum past float16's largest (65504).
+  # The running mean's difference, -20000 - 60000, passes float16's
+  # largest (65504), and the mean's 0.5 + 2**-12 is not a float16.
   seen = []
-  sgd = optax.sgd(1e-6)
+  sgd = optax.sgd(1.0)
 
   def update(updates, state, params=None):
     seen.append(jax.tree.map(lambda u: u.dtype, updates))
     return sgd.update(updates, state, params)
 
   inner = optax.GradientTransformation(sgd.init, update)
-  multi = optax.MultiSteps(inner, 4, use_grad_mean=False)
-  tx = ols.LossScaleOptimizer(multi, ols.FixedLossScale(1.0))
+  tx = _accumulating(ols.FixedLossScale(1.0), 2, inner=inner)
   params = {"w": jnp.zeros(2)}
   state, p = tx.init(params), params
-  grads = {"w": jnp.full(2, 40000.0, jnp.float16)}
   step = jax.jit(getattr(tx, entry))
-  for _ in range(4):
+  for i, g in enumerate([[60000.0, 1.0], [-20000.0, 2.0**-11]]):
+    grads = {"w": jnp.array(g, jnp.float16)}
     if entry == "apply_gradients":
       p, state = step(grads, state, p)
     else:
       updates, state = step(grads, state, p)
       p = optax.apply_updates(p, updates)
+    if i == 0:
+      assert state.accumulator["w"].dtype == jnp.float32
+      np.testing.assert_array_equal(state.accumulator["w"], g)
   assert seen == [{"w": jnp.dtype(jnp.float32)}]
-  np.testing.assert_allclose(p["w"], -0.16, rtol=1e-6)  # 1e-6 * 160000
-  assert float(state.grad_norm) == pytest.approx(160000.0 * np.sqrt(2))
+  assert p["w"].dtype == jnp.float32
+  np.testing.assert_array_equal(p["w"], [-20000.0, -(0.5 + 2.0**-12)])
+  assert float(state.grad_norm) == pytest.approx(np.hypot(20000.0, 0.5))

@@ -89,8 +89,10 @@ CONTAINERS = {
     ),
     "tree.inner_opt_state.loss_scale",
   ),
-  "MultiSteps inside the optimizer": (
-    lambda: _optimizer(optax.MultiSteps(optax.sgd(0.1), 2)).init(PARAMS),
+  "an accumulating optimizer": (
+    lambda: ols.LossScaleOptimizer(
+      optax.sgd(0.1), ols.DynamicLossScale(), gradient_accumulation_steps=2
+    ).init(PARAMS),
     "tree.loss_scale",
   ),
   "a linen TrainState": (
