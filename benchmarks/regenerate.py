@@ -7,7 +7,7 @@ command that file names under its title, each in a process of its own and
 one at a time, so that no two share the machine; prints each run's wall
 time and the total. Every file records its command, machine, versions,
 load average at start and date (`_timing.header()`): run this on an
-otherwise idle machine. The full run takes about 45 minutes on a 2-core
+otherwise idle machine. The full run takes about 50 minutes on a 2-core
 x86_64 CPU machine (`--dry-run` lists each run's estimate); afterwards it
 lists the ratios the docs' prose quotes that no results file holds any
 more (`tests/test_docs_code.py` fails on them until the prose is updated).
@@ -143,6 +143,12 @@ RUNS = (
     "benchmarks/LLM_STACK.md",
     ("benchmarks/llm_stack.py",),
     ("benchmarks/llm_stack.py", "--quick", "--out", f"{TMP}/LLM_STACK.md"),
+    4,
+  ),
+  Run(
+    "benchmarks/WHOLE_STEP.md",
+    ("benchmarks/whole_step.py",),
+    ("benchmarks/whole_step.py", "--quick", "--out", f"{TMP}/WHOLE_STEP.md"),
     4,
   ),
   Run(

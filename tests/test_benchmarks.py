@@ -42,6 +42,7 @@ WRITERS = {
   "FINITE_SWEEP.md": ("benchmarks/finite_sweep.py",),
   "COMPILE.md": ("benchmarks/first_compile.py",),
   "LLM_STACK.md": ("benchmarks/llm_stack.py",),
+  "WHOLE_STEP.md": ("benchmarks/whole_step.py",),
   "JMP.md": ("benchmarks/jmp_select_tree.py",),
   "JMP_HAIKU.md": ("benchmarks/jmp_haiku_resnet.py",),
   "MODEL_STEP.md": ("benchmarks/model_step.py",),
@@ -296,6 +297,38 @@ def test_llm_stack_quick_mode_writes_every_row(script_runs, request):
   ):
     assert re.search(rf"\| {re.escape(row)}: .*\| \d+\.\d\dx \(", text), row
   assert "the library's own cost, over the floor | +" in text
+
+
+@pytest.mark.slow
+@_script_run(
+  lambda out: [
+    sys.executable,
+    str(BENCHMARKS / "whole_step.py"),
+    "--quick",
+    "--out",
+    str(out / "whole_step.md"),
+  ]
+)
+def test_whole_step_quick_mode_writes_every_row(script_runs, request):
+  text = (_ran(script_runs, request) / "whole_step.md").read_text()
+  _environment(text, "benchmarks/whole_step.py", "--quick")
+  assert "- model: `Transformer(layers=1, d_model=64)`: 1 layer," in text
+  assert " 17 leaves, " in text  # the quick model's
+  header, rows = _table(text, "| configuration |")
+  assert header == ["configuration", "first compile / plain's", "seconds"]
+  assert [row[0] for row in rows] == [
+    "plain",
+    "floor",
+    "ours",
+    "ours - floor: the library's own cost",
+  ]
+  for row in rows[:3]:
+    median, spread = row[1].split(" ", 1)
+    _ratio(median)
+    assert re.fullmatch(r"\(\d+\.\d\d-\d+\.\d\d\)", spread), row
+    assert float(row[2].split(" ")[0]) > 0, row
+  assert rows[0][1] == "1.00x (1.00-1.00)"  # plain's own ratio
+  assert re.fullmatch(r"[+-]\d+\.\d\dx", rows[3][1]), rows[3]
 
 
 @pytest.mark.slow
