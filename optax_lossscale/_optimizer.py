@@ -560,6 +560,14 @@ class LossScaleOptimizer:
     conditional (a second would make XLA copy what the retry loop carries).
     """
     _inputs.check_inputs(call, grads, state, params, self._dtypes)
+    empty = isinstance(state.accumulator, tuple) and not state.accumulator
+    if empty == (self.gradient_accumulation_steps > 1):
+      raise TypeError(
+        f"`{call}`: the state's `accumulator` is of an optimizer"
+        f" {'without' if empty else 'with'} accumulation, and this one has"
+        f" gradient_accumulation_steps={self.gradient_accumulation_steps}:"
+        " take the state from this optimizer's `init`."
+      )
     overwritten = self._overwritten(call, grads)
     if params is None and any(jax.tree.leaves(overwritten)):
       raise ValueError(f"`{call}(params=None)`: overwritten leaves need them.")

@@ -600,3 +600,17 @@ def test_inner_gets_the_window_in_the_accumulator_s_dtype(entry):
   assert p["w"].dtype == jnp.float32
   np.testing.assert_array_equal(p["w"], [-20000.0, -(0.5 + 2.0**-12)])
   assert float(state.grad_norm) == pytest.approx(np.hypot(20000.0, 0.5))
+
+
+@pytest.mark.parametrize("steps", [(1, 3), (3, 1)])
+def test_a_state_of_the_other_accumulation_is_refused_by_name(steps):
+  params = {"w": jnp.ones(2)}
+  given, used = (
+    ols.LossScaleOptimizer(
+      optax.sgd(0.1), ols.DynamicLossScale(8.0), gradient_accumulation_steps=k
+    )
+    for k in steps
+  )
+  grads = {"w": jnp.ones(2)}
+  with pytest.raises(TypeError, match="the state's `accumulator`"):
+    jax.jit(used.apply_gradients)(grads, given.init(params), params)

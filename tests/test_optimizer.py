@@ -360,6 +360,7 @@ def test_lax_scan_over_steps_keeps_the_state_and_counts_skips():
 # --- the step's structure, read from its jaxpr -----------------------------------
 
 REDUCTIONS = {
+  lax.reduce_p,  # a variadic reduction: several arrays in one
   lax.reduce_max_p,
   lax.reduce_min_p,
   lax.reduce_sum_p,
