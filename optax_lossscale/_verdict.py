@@ -83,9 +83,14 @@ def read(
   inverse = (1 / scale).astype(trained.dtype)
 
   def exact(*arrays: jax.Array) -> tuple[jax.Array, jax.Array]:
-    # The pieces are its operands: a conditional's operands are buffers.
-    again = [p._replace(array=a) for p, a in zip(pieces, arrays, strict=True)]
-    flags = _numerics.flags(again, len(flat), loss_scale.unscale)
+    # The pieces and the leaves are its operands (a conditional's operands
+    # are buffers): the flags read the leaves, the norm the pieces.
+    stacks, given = arrays[: len(pieces)], list(arrays[len(pieces) :])
+    again = [p._replace(array=a) for p, a in zip(pieces, stacks, strict=True)]
+    read = [
+      given.pop(0) if i in set(floats) else None for i in range(len(flat))
+    ]
+    flags = _numerics.finite_flags(read, loss_scale.unscale, marks)
     unscaled = _numerics.squares(again, axis_name, inverse)[0]
     return _numerics.agree(flags, axis_name), _numerics.root(unscaled)
 
@@ -94,7 +99,10 @@ def read(
     return jnp.ones((len(flat),), jnp.bool_), norm
 
   index = agreed[0].astype(jnp.int32)
-  operands = [p.array for p in pieces]
+  floats = [
+    i for i, x in enumerate(flat) if x is not None and _numerics.is_float(x)
+  ]
+  operands = [p.array for p in pieces] + [flat[i] for i in floats]
   flags, norm = _cond.switch(
     index, [exact, fast], *operands, sharded_like=grads
   )

@@ -268,7 +268,9 @@ def test_a_window_holding_an_applied_inf_is_not_clipped_into_a_nan():
 @pytest.mark.parametrize("entry", ["update", "apply_gradients"])
 def test_a_state_of_another_optimizer_is_refused_by_name(entry):
   params = {"w": jnp.ones(2)}
-  plain = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale(8.0))
+  plain = ols.LossScaleOptimizer(
+    optax.sgd(0.1), ols.DynamicLossScale(8.0), gradient_accumulation_steps=K
+  )
   tx = _accumulating(ols.DynamicLossScale(8.0))
   with pytest.raises(TypeError, match=r"`inner_state` is not of the structure"):
     getattr(tx, entry)(params, plain.init(params), params)
