@@ -15,15 +15,11 @@ from optax.tree import where as tree_where
 
 from optax_lossscale import _cond, _inputs, _numerics, _retry, _validation
 from optax_lossscale._loss_scale import (
-  DynamicLossScale,
   LossScale,
   multiply_floats,
 )
-from optax_lossscale._states import (
-  LossScaleOptimizerState,
-  SkipRecord,
-  WriteRecord,
-)
+from optax_lossscale._states import LossScaleOptimizerState as State
+from optax_lossscale._states import SkipRecord, WriteRecord
 from optax_lossscale._value_and_grad import scaled_value_and_grad
 from optax_lossscale._verdict import (
   Verdict,
@@ -39,14 +35,13 @@ __all__ = ["LossScaleOptimizer"]
 class _Step(NamedTuple):
   """What a step's branches read: its inputs, and what its read found."""
 
-  state: LossScaleOptimizerState
+  state: State
   params: Any
   grads: Any
   extra_args: dict[str, Any]
   fused: bool
   overwritten: Any
-  loss_scale: LossScale  # the scale the gradients were computed at
-  verdict: Verdict
+  attempt: _retry.Attempt  # the scale and the verdict of its gradients
 
 
 class _Window(NamedTuple):
@@ -79,18 +74,13 @@ def _held(loss_scale: LossScale) -> LossScale:
   """The scale after a kept micro-batch of an open window: unchanged (it
   grows once per window), but a finite step restarts a consecutive
   hysteresis."""
-  if (
-    isinstance(loss_scale, DynamicLossScale)
-    and loss_scale.consecutive_hysteresis
-  ):
-    bad = jnp.zeros_like(loss_scale.num_bad_steps)
-    return dataclasses.replace(loss_scale, num_bad_steps=bad)
+  if getattr(loss_scale, "consecutive_hysteresis", False):  # Dynamic's
+    bad = jnp.zeros_like(loss_scale.num_bad_steps)  # type: ignore[attr-defined]
+    return dataclasses.replace(loss_scale, num_bad_steps=bad)  # type: ignore[type-var]
   return loss_scale
 
 
-def _write_record(
-  state: LossScaleOptimizerState, params: Any, axis_name: Any
-) -> WriteRecord:
+def _write_record(state: State, params: Any, axis_name: Any) -> WriteRecord:
   """The write record of a skipped step, given `params`.
 
   Non-finite values there were written by an applied step before it. A
@@ -109,55 +99,40 @@ def _write_record(
   return tree_where(jnp.all(finite) | (applied < 0), last, new)  # type: ignore[no-any-return]
 
 
-def _skip_record(
-  step: _Step, next_loss_scale: LossScale, at_floor: jax.Array
-) -> SkipRecord:
-  """The record of this step if it is skipped."""
-  state, verdict = step.state, step.verdict
-  loss_finite = verdict.loss_finite
-  slots = state.last_skip.nonfinite.shape[-1]  # none after `init(None)`
-  return dataclasses.replace(
-    state.last_skip,
-    step=state.steps,
-    loss_scale=state.loss_scale(),
-    next_loss_scale=next_loss_scale(),
-    consecutive_skipped_steps=optax.safe_increment(
-      state.consecutive_skipped_steps
-    ),
-    loss_given=jnp.array(loss_finite is not None),
-    loss_finite=jnp.array(True) if loss_finite is None else loss_finite,
-    at_floor=at_floor,
-    nonfinite=~verdict.flags[:slots],
-  )
-
-
 def _counted(
-  step: _Step,
-  loss_scale: LossScale,
-  should_apply: jax.Array,
-  dropped: jax.Array,
-) -> LossScaleOptimizerState:
+  step: _Step, loss_scale: LossScale, should_apply: Any, dropped: Any
+) -> State:
   """The state's loss scale, counters and skip record after a step;
   `dropped` whether the step is recorded as skipped (not held for a retry).
 
   The record's scale is the step's; the attempt's says whether the scale
   reached its floor.
   """
-  state, loss_finite = step.state, step.verdict.loss_finite
-  lowered = step.loss_scale.lowered()
-  at_floor = (
-    jnp.array(True) if lowered is None else lowered() >= step.loss_scale()
+  state, (tried, verdict, *_) = step.state, step.attempt
+  loss_finite, lowered, skipped = (
+    verdict.loss_finite,
+    tried.lowered(),
+    ~should_apply,
   )
-  skipped = ~should_apply
+  consecutive = optax.safe_increment(state.consecutive_skipped_steps)
+  slots = state.last_skip.nonfinite.shape[-1]  # none after `init(None)`
+  record = dataclasses.replace(
+    state.last_skip,
+    step=state.steps,
+    loss_scale=state.loss_scale(),
+    next_loss_scale=loss_scale(),
+    consecutive_skipped_steps=consecutive,
+    loss_given=jnp.array(loss_finite is not None),
+    loss_finite=jnp.array(True) if loss_finite is None else loss_finite,
+    at_floor=jnp.array(True) if lowered is None else lowered() >= tried(),
+    nonfinite=~verdict.flags[:slots],
+  )
   loss_failed = False if loss_finite is None else ~loss_finite
-  record = _skip_record(step, loss_scale, at_floor)
   return state._replace(
     loss_scale=loss_scale,
     should_apply=should_apply,
     skipped_steps=_count(state.skipped_steps, skipped),
-    consecutive_skipped_steps=jnp.where(
-      skipped, record.consecutive_skipped_steps, 0
-    ),
+    consecutive_skipped_steps=jnp.where(skipped, consecutive, 0),
     nonfinite_loss_steps=_count(state.nonfinite_loss_steps, loss_failed),
     last_skip=tree_where(dropped, record, state.last_skip),
     steps=optax.safe_increment(state.steps),
@@ -326,7 +301,7 @@ class LossScaleOptimizer:
     # `shard_map`, the loss scale's arrays could not be closed over).
     self._dtypes = jax.eval_shape(lambda: self._fresh(None, [], ()))
 
-  def init(self, params: optax.Params) -> LossScaleOptimizerState:
+  def init(self, params: optax.Params) -> State:
     """Returns the initial state: the loss scale and `inner`'s state.
 
     Args:
@@ -355,10 +330,10 @@ class LossScaleOptimizer:
 
   def _fresh(
     self, inner_state: Any, names: list[str], accumulator: Any
-  ) -> LossScaleOptimizerState:
+  ) -> State:
     # Fresh arrays each: a donated state shares no buffer.
     zero = lambda: jnp.zeros((), jnp.int32)  # noqa: E731
-    return LossScaleOptimizerState(
+    return State(
       loss_scale=jax.tree.map(jnp.copy, self.loss_scale),
       inner_state=inner_state,
       should_apply=jnp.array(True),
@@ -383,10 +358,10 @@ class LossScaleOptimizer:
   def update(
     self,
     grads: optax.Updates,
-    state: LossScaleOptimizerState,
+    state: State,
     params: optax.Params | None = None,
     **extra_args: Any,
-  ) -> tuple[optax.Updates, LossScaleOptimizerState]:
+  ) -> tuple[optax.Updates, State]:
     """One step: returns the updates (zeros when skipped) and the new state.
 
     Args:
@@ -415,10 +390,10 @@ class LossScaleOptimizer:
   def apply_gradients(
     self,
     grads: optax.Updates,
-    state: LossScaleOptimizerState,
+    state: State,
     params: optax.Params,
     **extra_args: Any,
-  ) -> tuple[optax.Params, LossScaleOptimizerState]:
+  ) -> tuple[optax.Params, State]:
     """The fused step: `update` and `optax.apply_updates`, inside the `cond`.
 
     The updates never leave the `cond` as a buffer, a skipped step writes
@@ -446,12 +421,12 @@ class LossScaleOptimizer:
     self,
     fun: Callable[..., Any],
     params: optax.Params,
-    state: LossScaleOptimizerState,
+    state: State,
     *args: Any,
     has_aux: bool = False,
     max_retries: int = 0,
     **kwargs: Any,
-  ) -> tuple[Any, optax.Params, LossScaleOptimizerState]:
+  ) -> tuple[Any, optax.Params, State]:
     """One whole train step: the scaled gradient of `fun`, then the update.
 
     Differentiates `fun(params, *args, **kwargs)` scaled by the state's loss
@@ -546,12 +521,12 @@ class LossScaleOptimizer:
     self,
     call: str,
     grads: Any,
-    state: LossScaleOptimizerState,
+    state: State,
     params: Any,
     extra_args: dict[str, Any],
     fused: bool,
     attempt: _retry.Attempt | None = None,
-  ) -> tuple[Any, LossScaleOptimizerState]:
+  ) -> tuple[Any, State]:
     """Read, decide, one conditional around `inner`, and the new state.
 
     `attempt` is one of `minimize`'s retry attempts; None outside the retry
@@ -560,43 +535,22 @@ class LossScaleOptimizer:
     conditional (a second would make XLA copy what the retry loop carries).
     """
     _inputs.check_inputs(call, grads, state, params, self._dtypes)
-    empty = isinstance(state.accumulator, tuple) and not state.accumulator
-    if empty == (self.gradient_accumulation_steps > 1):
-      raise TypeError(
-        f"`{call}`: the state's `accumulator` is of an optimizer"
-        f" {'without' if empty else 'with'} accumulation, and this one has"
-        f" gradient_accumulation_steps={self.gradient_accumulation_steps}:"
-        " take the state from this optimizer's `init`."
-      )
+    self._check_accumulator(call, state)
     overwritten = self._overwritten(call, grads)
     if params is None and any(jax.tree.leaves(overwritten)):
       raise ValueError(f"`{call}(params=None)`: overwritten leaves need them.")
-    if attempt is None:
-      value = extra_args.get("value")
-      verdict = read(
-        call, state.loss_scale, grads, value, self.axis_name, overwritten
-      )
-      attempt_scale, retries, held = state.loss_scale, None, None
-    else:
-      attempt_scale, verdict, retries, held = attempt
-    step = _Step(
-      state,
-      params,
-      grads,
-      extra_args,
-      fused,
-      overwritten,
-      attempt_scale,
-      verdict,
-    )
-    loss_scale, should_apply = decide(
-      attempt_scale, verdict, self.skip_nonfinite
-    )
+    if attempt is None:  # outside the retry loop
+      value, axis = extra_args.get("value"), self.axis_name
+      verdict = read(call, state.loss_scale, grads, value, axis, overwritten)
+      attempt = _retry.Attempt(state.loss_scale, verdict, None, None)
+    step = _Step(state, params, grads, extra_args, fused, overwritten, attempt)
+    verdict, retries, held = attempt.verdict, attempt.retries, attempt.held
+    skip = self.skip_nonfinite
+    loss_scale, should_apply = decide(attempt.loss_scale, verdict, skip)
     if retries is not None:  # the scale moves as for one overflowed step
-      first = verdict._replace(
-        grads_finite=verdict.grads_finite & (retries == 0)
-      )
-      loss_scale = decide(state.loss_scale, first, self.skip_nonfinite)[0]
+      first = verdict.grads_finite & (retries == 0)
+      first_verdict = verdict._replace(grads_finite=first)
+      loss_scale = decide(state.loss_scale, first_verdict, skip)[0]
     window = self._window(state, should_apply, held)
     try:  # `inner` reads its state here
       out, inner, accumulator, wrote, norm = _cond.switch(
@@ -648,9 +602,21 @@ class LossScaleOptimizer:
         " gives: another optimizer's, or the parameters' containers changed."
       ) from error
 
+  def _check_accumulator(self, call: str, state: State) -> None:
+    """Raises a `TypeError` if `state` holds an accumulator where this
+    optimizer keeps none, or none where it keeps one."""
+    empty = isinstance(state.accumulator, tuple) and not state.accumulator
+    if empty == (self.gradient_accumulation_steps > 1):
+      raise TypeError(
+        f"`{call}`: the state's `accumulator` is of an optimizer"
+        f" {'without' if empty else 'with'} accumulation, and this one has"
+        f" gradient_accumulation_steps={self.gradient_accumulation_steps}:"
+        " take the state from this optimizer's `init`."
+      )
+
   def _window(
     self,
-    state: LossScaleOptimizerState,
+    state: State,
     should_apply: jax.Array,
     held: jax.Array | None,
   ) -> _Window:
@@ -686,7 +652,7 @@ class LossScaleOptimizer:
     donated buffers through uncopied (jax#39449;
     tests/test_accelerator_ready.py)."""
     accumulating = self.gradient_accumulation_steps > 1
-    verdict, state = step.verdict, step.state
+    verdict, state = step.attempt.verdict, step.state
     # Without accumulation the clip multiplies the unscaling: one scalar,
     # computed outside the conditional, since XLA copies a scalar computed
     # inside it into every leaf's kernel.
@@ -695,7 +661,7 @@ class LossScaleOptimizer:
       if accumulating
       else self._clip(verdict.norm, verdict.grads_finite)
     )
-    factor = step.loss_scale.unscale(clip)
+    factor = step.attempt.loss_scale.unscale(clip)
     unscaled = lambda: without_overwritten(  # noqa: E731
       step.overwritten, multiply_floats(step.grads, factor)
     )
@@ -735,9 +701,7 @@ class LossScaleOptimizer:
     keep = (norm < self.max_norm) | ~finite
     return jnp.where(keep, jnp.ones((), norm.dtype), self.max_norm / norm)
 
-  def _mean(
-    self, state: LossScaleOptimizerState, acc: Any, g: Any, kept: jax.Array
-  ) -> Any:
+  def _mean(self, state: State, acc: Any, g: Any, kept: jax.Array) -> Any:
     """The window's mean with `g` if it is `kept`: `optax.MultiSteps`'
     running mean, in the accumulator's dtypes."""
     n = (state.accumulated + 1).astype

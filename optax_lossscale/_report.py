@@ -100,20 +100,17 @@ def _on_host(call: str, opt_state: Any) -> tuple[Any, bool]:
       f"`{call}(opt_state)` reads the state on the host, between steps: call"
       " it outside `jit`, `vmap` and `scan`, on the state a step returned."
     )
-  multi = optax.MultiStepsState
-  for node in jax.tree.leaves(
-    opt_state, is_leaf=lambda x: isinstance(x, multi)
-  ):
-    if isinstance(node, multi) and any(
-      x is state for x in jax.tree.leaves(node, is_leaf=lambda x: x is state)
-    ):
-      raise ValueError(
-        f"`{call}(opt_state)`: the LossScaleOptimizer is inside an"
-        " `optax.MultiSteps`, which multiplies its state by zero on every"
-        " micro-batch but the window's last: the loss scale stalls for good."
-        " Accumulate with `LossScaleOptimizer(opt, loss_scale, ...,"
-        " gradient_accumulation_steps=k)` instead."
-      )
+  multi = lambda x: isinstance(x, optax.MultiStepsState)  # noqa: E731
+  held = [x for x in jax.tree.leaves(opt_state, is_leaf=multi) if multi(x)]
+  found = lambda x: x is state  # noqa: E731
+  if any(map(found, jax.tree.leaves(held, is_leaf=found))):
+    raise ValueError(
+      f"`{call}(opt_state)`: the LossScaleOptimizer is inside an"
+      " `optax.MultiSteps`, whose accumulator keeps an overflowed"
+      " micro-batch's inf and is reset by a multiply by zero (a NaN): every"
+      " later step skips, for good. Accumulate with `LossScaleOptimizer(opt,"
+      " loss_scale, ..., gradient_accumulation_steps=k)`."
+    )
   skipped = np.asarray(_states.first_copy(state.skipped_steps))
 
   def rows(x: Any) -> np.ndarray:

@@ -18,13 +18,14 @@ class Attempt(NamedTuple):
 
   `loss_scale` is the scale it ran at, `verdict` what the read found;
   `retries` counts the attempts before it; `held` is whether another
-  attempt follows, so that this one must write nothing.
+  attempt follows, so that this one must write nothing. A step outside the
+  retry loop is an attempt whose `retries` and `held` are None.
   """
 
   loss_scale: LossScale
   verdict: Any
-  retries: jax.Array
-  held: jax.Array
+  retries: jax.Array | None
+  held: jax.Array | None
 
 
 def retry(

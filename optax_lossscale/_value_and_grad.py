@@ -10,26 +10,16 @@ import jax
 import jax.numpy as jnp
 
 from optax_lossscale import _states, _validation
-from optax_lossscale._loss_scale import (
-  DynamicLossScale,
-  FixedLossScale,
-  LossScale,
-  NoOpLossScale,
-)
-
-_FLOAT16_MAX = 65504.0
+from optax_lossscale._loss_scale import LossScale, NoOpLossScale
 
 
 def _may_pass_float16(loss_scale: LossScale) -> bool:
-  """Whether the scale can pass float16's largest value."""
+  """Whether the scale can pass float16's largest value, 65504."""
   if isinstance(loss_scale, NoOpLossScale):
     return False
-  if isinstance(loss_scale, FixedLossScale):
-    return loss_scale.loss_scale_value > _FLOAT16_MAX
-  if isinstance(loss_scale, DynamicLossScale):
-    top = loss_scale.max_loss_scale
-    return top is None or top > _FLOAT16_MAX
-  return True
+  config = loss_scale.get_config()  # a ceiling, or a fixed value, if any
+  top = config.get("max_loss_scale", config.get("loss_scale_value"))
+  return top is None or top > 65504
 
 
 __all__ = ["scaled_value_and_grad"]
