@@ -151,8 +151,9 @@ class LossScaleOptimizer:
   with `skip_nonfinite`, finite gradients and a finite loss (given as
   `value=`). An applied step runs `inner` on the unscaled (and clipped)
   gradients. A skipped step changes no parameter and leaves `inner`'s
-  state bit for bit unchanged; it writes a `SkipRecord` into the state, for
-  `skip_reports` and `SkipMonitor` to read later. Nothing calls the host.
+  state bit for bit unchanged; it records the skip in `state.last_skip`,
+  for `skip_reports` and `SkipMonitor` to read later. Nothing calls the
+  host.
 
   The skip is one conditional around `inner`'s update. `apply_gradients`
   (and `minimize`) update the parameters inside it: the fastest step, and
@@ -593,10 +594,12 @@ class LossScaleOptimizer:
     optimizer's state says so. Otherwise the step's own error stands."""
     given = step.grads if step.params is None else step.params
     try:  # `inner.init` may need values, which a failed step cannot give
-      like = jax.tree.structure(jax.eval_shape(self.init, given).inner_state)
+      with warnings.catch_warnings():  # `init`'s own, given at `init`
+        warnings.simplefilter("ignore")
+        like = jax.eval_shape(self.init, given).inner_state
     except Exception:
       return
-    if like != jax.tree.structure(step.state.inner_state):  # type: ignore[operator]
+    if jax.tree.structure(like) != jax.tree.structure(step.state.inner_state):  # type: ignore[operator]
       raise TypeError(
         f"`{call}`: the state's `inner_state` is not of the structure `init`"
         " gives: another optimizer's, or the parameters' containers changed."

@@ -90,10 +90,11 @@ def scaled_value_and_grad(
       if jnp.result_type(loss) == jnp.float16 and _may_pass_float16(loss_scale):
         warnings.warn(
           "`scaled_value_and_grad`: the loss is float16, so its cotangent,"
-          " the loss scale, is float16 too: every scale above 65504 makes"
-          " every gradient inf, and the scale stops at 2**15. Return the loss"
-          " in float32 (`loss.astype(jnp.float32)` after a float16 forward"
-          " pass), or pass `max_loss_scale=2.0**15`.",
+          " the loss scale, is float16 too: a scale above 65504 makes every"
+          " gradient inf, so each growth past 2**15 costs a skipped step."
+          " Return the loss in float32 (`loss.astype(jnp.float32)` after a"
+          " float16 forward pass), or cap the scale:"
+          " `DynamicLossScale(..., max_loss_scale=2.0**15)`.",
           stacklevel=4,
         )
       return loss_scale.scale(loss), ((loss, aux) if has_aux else loss)
