@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -60,6 +61,24 @@ def compile_step(
   lowered = jax.jit(step, donate_argnums=donate_argnums).lower(*args)
   compiled = lowered.compile()
   return compiled, time.perf_counter() - t0
+
+
+def compile_model_step(
+  factory: Callable[..., Any], model: Any, params: Any, batch: Any, lr: float
+) -> tuple[Any, float, tuple[Any, Any]]:
+  """A first compile of a whole train step at learning rate `lr`.
+
+  `factory(model.loss, lr)` returns `(init, step)`; `step(params, state,
+  batch)` is compiled on copies of `params` and their fresh state.
+
+  Returns:
+    `(compiled, seconds, (params, state))`: the copies, to run it on.
+  """
+  init, step = factory(model.loss, lr)
+  p = jax.tree.map(jnp.copy, params)
+  s = init(p)
+  compiled, seconds = compile_step(step, p, s, batch)
+  return compiled, seconds, (p, s)
 
 
 def temp_bytes(compiled: Any) -> float:

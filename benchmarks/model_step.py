@@ -32,7 +32,6 @@ import _model
 import _steps
 import _timing
 import jax
-import jax.numpy as jnp
 
 import optax_lossscale as ols
 
@@ -85,15 +84,6 @@ def _skipped(state: Any) -> int:
   return 0
 
 
-def _compile(name: str, factory: Factory, model: Any, params, batch, lr):
-  """A first compile of `name` at learning rate `lr`: compiled, seconds, carry."""
-  init, step = factory(model.loss, lr)
-  p = jax.tree.map(jnp.copy, params)
-  s = init(p)
-  compiled, seconds = _timing.compile_step(step, p, s, batch)
-  return compiled, seconds, (p, s)
-
-
 def measure(
   model: _model.Transformer,
   *,
@@ -130,8 +120,8 @@ def measure(
       if k > 0 and name in PEERS:
         continue
       lr = LR * (1 + k)
-      compiled, seconds, carry = _compile(
-        name, factories[name], model, params, batch, lr
+      compiled, seconds, carry = _timing.compile_model_step(
+        factories[name], model, params, batch, lr
       )
       if k == 0:
         temp = _timing.temp_bytes(compiled)

@@ -125,17 +125,6 @@ CONFIGS: dict[str, Config] = {"plain": plain, "floor": floor, "ours": ours}
 OWN_COST = "ours - floor: the library's own cost"
 
 
-def first_compile(
-  config: Config, model: _model.Transformer, params, batch, lr: float
-) -> tuple[Any, float, tuple[Any, Any]]:
-  """A first compile of `config` at `lr`: compiled, seconds, its arguments."""
-  init, step = config(model.loss, lr)
-  p = jax.tree.map(jnp.copy, params)
-  s = init(p)
-  compiled, seconds = _timing.compile_step(step, p, s, batch)
-  return compiled, seconds, (p, s)
-
-
 def measure(
   model: _model.Transformer, compiles: int
 ) -> tuple[dict[str, list[float]], dict[str, tuple[float, float]]]:
@@ -149,7 +138,7 @@ def measure(
   params = model.init_params(jax.random.key(0))
   batch = model.make_batch(jax.random.key(1))
   # One compile first, discarded: the process's one-time costs.
-  first_compile(plain, model, params, batch, 0.5 * LR)
+  _timing.compile_model_step(plain, model, params, batch, 0.5 * LR)
   names = list(CONFIGS)
   seconds: dict[str, list[float]] = {name: [] for name in names}
   last: dict[str, Any] = {}
@@ -157,7 +146,7 @@ def measure(
     # A learning rate a millionth apart each round: a constant of its own.
     lr = LR * (1 + (k + 1) * 1e-6)
     for name in names[k % len(names) :] + names[: k % len(names)]:
-      compiled, s, carry = first_compile(
+      compiled, s, carry = _timing.compile_model_step(
         CONFIGS[name], model, params, batch, lr
       )
       seconds[name].append(s)

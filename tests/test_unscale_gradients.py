@@ -87,10 +87,11 @@ def test_it_refuses_what_is_not_a_loss_scale_and_a_foreign_state():
 # --- skipping after it, and the pitfall of skipping before it ---------------------
 
 
-def _own_cond_step(loss_scale):
+def _own_cond_step(loss_scale, inner=None):
   # The train-step guide's own skip after `unscale_gradients`: it keeps the
   # link's new state, and the rest of the old one.
-  tx = optax.chain(ols.unscale_gradients(loss_scale), optax.sgd(1.0))
+  inner = optax.sgd(1.0) if inner is None else inner
+  tx = optax.chain(ols.unscale_gradients(loss_scale), inner)
 
   def step(params, opt_state, grads):
     updates, new_state = tx.update(grads, opt_state, params)
@@ -211,18 +212,8 @@ def test_the_own_skip_recipe_keeps_the_parameters_with_every_loss_scale(
 ):
   # The train-step guide's recipe reads `finite`: with a fixed scale, whose
   # `should_apply` is TensorFlow's True, inf gradients must not reach Adam.
-  tx = optax.chain(ols.unscale_gradients(loss_scale), optax.adam(0.1))
-
-  @jax.jit
-  def step(params, opt_state, grads):
-    updates, new_state = tx.update(grads, opt_state, params)
-    params, rest = lax.cond(
-      new_state[0].finite,
-      lambda: (optax.apply_updates(params, updates), new_state[1:]),
-      lambda: (params, opt_state[1:]),
-    )
-    return params, (new_state[0], *rest)
-
+  tx, step = _own_cond_step(loss_scale, optax.adam(0.1))
+  step = jax.jit(step)
   params = {"w": jnp.ones(4)}
   state = tx.init(params)
   grads = {"w": jnp.array([jnp.inf, 1.0, 1.0, 1.0])}
