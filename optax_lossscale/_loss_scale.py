@@ -36,13 +36,21 @@ from optax_lossscale._validation import FLOAT32_MAX, boolean, integer, scalar
 __all__ = ["DynamicLossScale", "FixedLossScale", "LossScale", "NoOpLossScale"]
 
 
-def multiply_floats(tree: Any, factor: jax.Array) -> Any:
-  """Each float leaf times `factor`, in at least float32; the others pass as
-  they are.
+def multiply_floats(tree: Any, factor: jax.Array, exponent: Any = 0) -> Any:
+  """Each float leaf times `factor * 2**exponent`, in at least float32; the
+  others pass as they are.
 
-  Each leaf keeps its dtype: it is widened, multiplied by `factor` cast to
-  that width, and the product is rounded once.
+  Each leaf keeps its dtype: it is widened, multiplied by the power of two
+  in two normal halves, exactly, then by `factor` cast to that width, and
+  the product is rounded once. A factor below float32's least normal
+  number (the reciprocal of a scale above 2**126) would be flushed to 0 on
+  XLA:CPU and accelerators; its halves are not.
   """
+  half = jnp.asarray(exponent, jnp.int32) // 2
+  # Behind a barrier, XLA cannot fold constant halves into one subnormal.
+  twos = jax.lax.optimization_barrier(
+    [jnp.ldexp(jnp.float32(1), k) for k in (half, exponent - half)]
+  )
 
   def leaf(x: Any) -> Any:
     if x is None or not _numerics.is_float(x):
@@ -51,9 +59,19 @@ def multiply_floats(tree: Any, factor: jax.Array) -> Any:
     if jnp.iscomplexobj(x):  # part by part: (inf + 0j) * (s + 0j) has a NaN
       return jax.lax.complex(leaf(jnp.real(x)), leaf(jnp.imag(x)))
     wide = jnp.float32 if x.dtype.itemsize < 4 else x.dtype  # half: float32
-    return (x.astype(wide) * factor.astype(wide)).astype(x.dtype)
+    product = x.astype(wide)
+    for two in twos:  # exact, unless the product is subnormal anyway
+      product = product * two.astype(wide)
+    return (product * factor.astype(wide)).astype(x.dtype)
 
   return jax.tree.map(leaf, tree, is_leaf=lambda x: x is None)
+
+
+def reciprocal(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """`1 / scale` as `(factor, exponent)`: the correctly rounded reciprocal of
+  its mantissa, and a power of two, so that no part is subnormal."""
+  mantissa, exponent = jnp.frexp(scale)
+  return 1 / mantissa, -exponent
 
 
 class LossScale(abc.ABC):
@@ -171,7 +189,9 @@ class LossScale(abc.ABC):
     Each leaf keeps its dtype. It is multiplied, in at least float32, by the
     correctly rounded reciprocal of the scale (what XLA makes of a division
     by a scalar, and what TensorFlow's optimizers do): exact whenever the
-    scale is a power of two, and the same with and without `jit`.
+    scale is a power of two, and the same with and without `jit`. Its
+    power of two is applied apart, so that a scale above 2**126, whose
+    reciprocal is subnormal, still unscales.
 
     Args:
       tree: a pytree of arrays, typically scaled gradients.
@@ -180,7 +200,7 @@ class LossScale(abc.ABC):
       A pytree of the same structure and dtypes; None, integer, bool and
       `float0` leaves pass unchanged.
     """
-    return multiply_floats(tree, 1 / self())
+    return multiply_floats(tree, *reciprocal(self()))
 
   def lowered(self) -> Self | None:
     """Returns the loss scale to retry an overflowed step with, or None.

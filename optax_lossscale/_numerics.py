@@ -109,14 +109,13 @@ def wide(x: jax.Array) -> jax.Array:
 
 
 def squares(
-  read: Sequence[Piece], axis_name: AxisName, factor: Any = None
+  read: Sequence[Piece], axis_name: AxisName, unscale: Any = None
 ) -> tuple[jax.Array, jax.Array]:
   """The sums of the squares of the pieces' elements: of the trained ones,
   and of the overwritten ones.
 
   One reduction per piece, in at least float32 (float64 for float64 leaves);
-  with `factor`, each trained element is multiplied by it first, in that
-  width. A sum is not finite if an element is not, or if it overflows; it
+  with `unscale`, each trained element is read through it, in that width. A sum is not finite if an element is not, or if it overflows; it
   never makes a NaN of an inf. Inside `shard_map`, the sums of the leaves
   that vary along axes of `axis_name` (their blocks differ) are summed
   across those axes: only scalars cross devices, and replicas count once.
@@ -130,8 +129,8 @@ def squares(
     parts = (jnp.real(x), jnp.imag(x)) if jnp.iscomplexobj(x) else (x,)
     sums = []
     for part in map(wide, parts):
-      if factor is not None and not piece.overwritten:
-        part = part * factor.astype(part.dtype)
+      if unscale is not None and not piece.overwritten:
+        part = unscale(part)
       sums.append(jnp.sum(jnp.square(part)).astype(dtype))
     key = (varying_axes(x) & frozenset(names), piece.overwritten)
     by_axes.setdefault(key, []).append(sum(sums[1:], sums[0]))

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_lossscale import _cond, _numerics, _validation
-from optax_lossscale._loss_scale import LossScale
+from optax_lossscale._loss_scale import LossScale, multiply_floats, reciprocal
 
 
 class Verdict(NamedTuple):
@@ -80,7 +80,7 @@ def read(
   if value is not None:
     local.append(jnp.all(jnp.isfinite(value)))
   agreed = _numerics.agree(jnp.stack(local), axis_name)
-  inverse = (1 / scale).astype(trained.dtype)
+  unscale = lambda x: multiply_floats(x, *reciprocal(scale))  # noqa: E731
 
   def exact(*arrays: jax.Array) -> tuple[jax.Array, jax.Array]:
     # The pieces and the leaves are its operands (a conditional's operands
@@ -91,7 +91,7 @@ def read(
       given.pop(0) if i in set(floats) else None for i in range(len(flat))
     ]
     flags = _numerics.finite_flags(read, loss_scale.unscale, marks)
-    unscaled = _numerics.squares(again, axis_name, inverse)[0]
+    unscaled = _numerics.squares(again, axis_name, unscale)[0]
     return _numerics.agree(flags, axis_name), _numerics.root(unscaled)
 
   def fast(*_: jax.Array) -> tuple[jax.Array, jax.Array]:

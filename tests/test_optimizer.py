@@ -1620,16 +1620,24 @@ def test_the_clip_does_not_freeze_once_the_scaled_squares_pass_float32():
   assert float(state.loss_scale()) > 2.0**64  # the squares passed float32
 
 
+_SCALES = {
+  "overflow": ols.FixedLossScale(2.0**15),  # scaled squares overflow
+  "underflow": ols.DynamicLossScale(2.0**-70, min_loss_scale=2.0**-80),
+  "scale-1000": ols.DynamicLossScale(1000.0),  # not a power of two
+  "scale-2**127": ols.FixedLossScale(2.0**127),  # a subnormal reciprocal
+}
+_UNSCALED = [[3e15, 4e15], [60.0, 80.0], [3e-3, 4e-3], [3e-10, 4e-10]]
+
+
 @pytest.mark.parametrize(
-  "loss_scale",
-  [
-    ols.FixedLossScale(2.0**15),  # scaled squares overflow float32
-    ols.DynamicLossScale(2.0**-70, min_loss_scale=2.0**-80),  # underflow
-    ols.DynamicLossScale(1000.0),  # not a power of two
+  ("loss_scale", "unscaled"),
+  [  # the scaled gradients finite in float32
+    pytest.param(ls, g, id=f"{name}-{g[0]:g}")
+    for name, ls in _SCALES.items()
+    for g in _UNSCALED
+    if g[1] * float(ls()) < 3e38
   ],
-  ids=["overflow", "underflow", "scale-1000"],
 )
-@pytest.mark.parametrize("unscaled", [[3e15, 4e15], [60.0, 80.0], [3e-3, 4e-3]])
 def test_the_norm_and_the_clip_are_optax_s_at_every_scale(loss_scale, unscaled):
   tx = ols.LossScaleOptimizer(optax.sgd(1.0), loss_scale, max_norm=1.0)
   params = {"w": jnp.zeros(2)}
@@ -1669,3 +1677,22 @@ def test_float64_gradients_are_normed_in_float64():
     assert new["w"].dtype == jnp.float64
     np.testing.assert_allclose(new["w"], [-0.6, -0.8], rtol=1e-12)
     assert float(state.grad_norm) == pytest.approx(5e19, rel=1e-6)
+
+
+def test_a_scale_grown_to_float32_s_largest_still_updates():
+  # The default ceiling is TensorFlow's, float32's maximum: above 2**126 the
+  # scale's reciprocal is subnormal, which XLA flushes to 0, so the
+  # unscaling applies its power of two apart. Every update stays the
+  # gradient's, not zero.
+  tx = ols.LossScaleOptimizer(
+    optax.sgd(1.0), ols.DynamicLossScale(2.0**124, increment_period=1)
+  )
+  params = {"w": jnp.zeros(2)}
+  state = tx.init(params)
+  step = jax.jit(tx.minimize, static_argnums=0)
+  for i in range(5):
+    _, params, state = step(lambda p: 1e-12 * jnp.sum(p["w"]), params, state)
+    assert bool(state.should_apply)
+    np.testing.assert_allclose(params["w"], -1e-12 * (i + 1), rtol=1e-6)
+    assert float(state.grad_norm) == pytest.approx(np.sqrt(2) * 1e-12)
+  assert float(state.loss_scale()) == 2.0**127
