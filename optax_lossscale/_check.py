@@ -99,19 +99,29 @@ def _check_optimizer_state(state: LossScaleOptimizerState, path: str) -> None:
   shape = np.shape(_array(state.should_apply))
   for flag in ("should_apply", "stepped"):
     _check(f"`{path}.{flag}`", getattr(state, flag), np.bool_, shape)
-  skipped, consecutive, *_ = [
-    _check(f"`{path}.{name}`", getattr(state, name), np.int32, shape)
+  counts = {
+    name: _check(f"`{path}.{name}`", getattr(state, name), np.int32, shape)
     for name in _COUNTERS
-  ]
+  }
   norm = _array(state.grad_norm)  # inf after an overflow
   _validation.array_dtype(f"`{path}.grad_norm`", norm, np.float32)
-  if not (
-    skipped is None or consecutive is None or (consecutive <= skipped).all()
-  ):
-    raise ValueError(
-      f"`{path}.consecutive_skipped_steps` must be at most `skipped_steps`,"
-      f" got {consecutive.tolist()} > {skipped.tolist()}."
-    )
+  for low, high in [
+    ("consecutive_skipped_steps", "skipped_steps"),
+    ("accumulated", "micro_step"),  # a window keeps what it has seen
+  ]:
+    a, b = counts[low], counts[high]
+    if a is not None and b is not None and not (a <= b).all():
+      raise ValueError(
+        f"`{path}.{low}` must be at most `{high}`, got {a.tolist()} >"
+        f" {b.tolist()}."
+      )
+  for leaf in jax.tree.leaves(state.accumulator):  # a NaN would stay
+    values = _validation.host_values(_array(leaf))
+    if values is not None and np.isnan(values).any():
+      raise ValueError(
+        f"`{path}.accumulator` must hold no NaN: the window's mean would"
+        " stay NaN."
+      )
   records = {  # abstract: no transfer to a device (`jax.transfer_guard`)
     "last_skip": jax.eval_shape(_states.SkipRecord.empty, np.float32(1), []),
     "last_nonfinite_write": jax.eval_shape(_states.WriteRecord.empty, []),
@@ -166,8 +176,9 @@ def check_state(tree: T) -> T:
   - every array has its field's dtype: float32 scales, int32 counters, bool
     flags, a uint8 `last_skip.leaf_names`;
   - every array has the leading shape of its state's `should_apply`;
-  - scales are finite and positive, counters non-negative, and
-    `consecutive_skipped_steps <= skipped_steps`.
+  - scales are finite and positive, counters non-negative,
+    `consecutive_skipped_steps <= skipped_steps`, `accumulated <=
+    micro_step`, and the accumulator holds no NaN.
 
   Unflattening a state (what a restore does) checks none of it, so that it
   stays cheap under `jit`. A `DynamicLossScale`'s state is valid under any

@@ -52,6 +52,12 @@ class _Window(NamedTuple):
   accumulated: jax.Array
 
 
+_MULTISTEPS = (
+  "`{call}(inner=...)` must not hold an `optax.MultiSteps`, which would move"
+  " the loss scale at every micro-batch: pass its optimizer and the window's"
+  " length, `LossScaleOptimizer(opt, loss_scale, ...,"
+  " gradient_accumulation_steps=k)`."
+)
 _FLOAT16 = (
   "LossScaleOptimizer.init: float16 parameters with a float16 inner state: if"
   " `inner` divides by an `eps` (Adam's 1e-8 is 0 in float16), a zero gradient"
@@ -258,15 +264,8 @@ class LossScaleOptimizer:
     gradient_accumulation_steps: int = 1,
   ) -> None:
     call = "LossScaleOptimizer"
-    # `MultiSteps(...).gradient_transformation()` holds its bound methods.
-    owner = getattr(getattr(inner, "update", None), "__self__", inner)
-    if isinstance(owner, optax.MultiSteps):
-      raise TypeError(
-        f"`{call}(inner=...)` must not be an `optax.MultiSteps`, which would"
-        " move the loss scale at every micro-batch: pass its optimizer and"
-        " the window's length, `LossScaleOptimizer(opt, loss_scale, ...,"
-        " gradient_accumulation_steps=k)`."
-      )
+    if isinstance(inner, optax.MultiSteps):  # its other forms: in `init`
+      raise TypeError(_MULTISTEPS.format(call=call))
     if not isinstance(inner, optax.GradientTransformation):
       swapped = isinstance(inner, LossScale)
       order = "; the arguments are (inner, loss_scale)" if swapped else ""
@@ -319,6 +318,9 @@ class LossScaleOptimizer:
       )
     trained = without_overwritten(overwritten, params)
     inner_state = self.inner.init(trained)
+    multi = lambda x: isinstance(x, optax.MultiStepsState)  # noqa: E731
+    if any(map(multi, jax.tree.leaves(inner_state, is_leaf=multi))):
+      raise TypeError(_MULTISTEPS.format(call="LossScaleOptimizer.init"))
     if _float16(trained) and _float16(inner_state):  # once per call site
       warnings.warn(_FLOAT16, stacklevel=2)
     accumulator: Any = ()
@@ -685,7 +687,9 @@ class LossScaleOptimizer:
         norm = _numerics.root(
           _numerics.squares(_numerics.pieces(leaves(g)), self.axis_name)[0]
         )
-        g = multiply_floats(g, self._clip(norm, jnp.isfinite(norm)))
+        flags = _numerics.finite_flags(leaves(g))
+        finite = jnp.all(_numerics.agree(flags, self.axis_name))
+        g = multiply_floats(g, self._clip(norm, finite))
         acc = optax.tree.zeros_like(acc)
       trained = without_overwritten(step.overwritten, params)
       updates, inner = update(g, inner, trained)
@@ -707,10 +711,12 @@ class LossScaleOptimizer:
     running mean, in the accumulator's dtypes."""
     n = (state.accumulated + 1).astype
 
-    def add(u: jax.Array, a: jax.Array) -> jax.Array:
+    def add(u: jax.Array | None, a: jax.Array) -> jax.Array:
+      if u is None:  # no gradient: nothing to add
+        return a
       return jnp.where(kept, a + (u.astype(a.dtype) - a) / n(a.dtype), a)
 
-    return jax.tree.map(add, g, acc)
+    return jax.tree.map(add, g, acc, is_leaf=lambda x: x is None)
 
   def _inner_update(
     self, step: _Step, given: Any

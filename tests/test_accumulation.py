@@ -319,14 +319,22 @@ def test_the_norm_is_the_micro_batch_s_and_at_the_step_the_window_s():
   np.testing.assert_allclose(params["w"], [-4.5, -6.0])
 
 
-@pytest.mark.parametrize("form", ["object", "gradient_transformation"])
+@pytest.mark.parametrize(
+  "form", ["object", "gradient_transformation", "in a chain"]
+)
 def test_a_multisteps_as_inner_is_refused_naming_the_replacement(form):
   multi = optax.MultiSteps(optax.sgd(0.1), 2)
-  inner = multi if form == "object" else multi.gradient_transformation()
+  inner = {
+    "object": multi,
+    "gradient_transformation": multi.gradient_transformation(),
+    "in a chain": optax.chain(optax.clip(1.0), multi.gradient_transformation()),
+  }[form]
   with pytest.raises(
     TypeError, match=r"MultiSteps.*gradient_accumulation_steps=k"
   ):
-    ols.LossScaleOptimizer(inner, ols.DynamicLossScale())
+    ols.LossScaleOptimizer(inner, ols.DynamicLossScale()).init(
+      {"w": jnp.ones(2)}
+    )
 
 
 @pytest.mark.parametrize(
@@ -616,3 +624,37 @@ def test_a_state_of_the_other_accumulation_is_refused_by_name(steps):
   grads = {"w": jnp.ones(2)}
   with pytest.raises(TypeError, match="the state's `accumulator`"):
     jax.jit(used.apply_gradients)(grads, given.init(params), params)
+
+
+def test_a_none_gradient_leaf_adds_nothing_to_the_window():
+  tx = _accumulating(ols.DynamicLossScale(8.0), 2)
+  params = {"a": jnp.ones(2), "b": jnp.ones(3)}
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  grads = {"a": jnp.full(2, 8.0), "b": None}
+  _, state = step(grads, state)
+  np.testing.assert_array_equal(state.accumulator["a"], [1.0, 1.0])
+  np.testing.assert_array_equal(state.accumulator["b"], np.zeros(3))
+  updates, state = step(grads, state)
+  assert bool(state.stepped)
+  np.testing.assert_array_equal(updates["b"], np.zeros(3))
+
+
+def test_a_window_whose_norm_overflows_is_clipped_as_optax_clips_it():
+  # Finite micro-batches whose mean's squares pass float32's range: the
+  # norm is inf, as Optax's is, and the clip zeroes the step as Optax's does
+  # (and as without accumulation), not applying the window unclipped.
+  for k in (1, 2):
+    tx = ols.LossScaleOptimizer(
+      optax.sgd(1.0),
+      ols.DynamicLossScale(1000.0),
+      max_norm=1.0,
+      gradient_accumulation_steps=k,
+    )
+    params = {"w": jnp.zeros(2)}
+    state = tx.init(params)
+    grads = {"w": jnp.array([3e30, 4e30]) * 1000.0}
+    for _ in range(k):
+      params, state = jax.jit(tx.apply_gradients)(grads, state, params)
+    assert bool(state.stepped) and float(state.grad_norm) == np.inf
+    np.testing.assert_array_equal(params["w"], [0.0, 0.0])

@@ -583,3 +583,16 @@ def test_a_checkpoint_corrupted_on_disk_is_caught(
   # Without a target, Orbax gives dicts: the loss scale has lost its type.
   with pytest.raises(ValueError, match="found no loss scale"):
     ols.check_state(_restore(path))
+
+
+def test_check_state_refuses_an_impossible_accumulation_window():
+  tx = ols.LossScaleOptimizer(
+    optax.sgd(0.1), ols.DynamicLossScale(), gradient_accumulation_steps=4
+  )
+  state = tx.init(PARAMS)
+  ols.check_state(state)
+  with pytest.raises(ValueError, match=r"`tree.accumulated` must be at most"):
+    ols.check_state(state._replace(accumulated=jnp.int32(3)))
+  nan = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), state.accumulator)
+  with pytest.raises(ValueError, match=r"`tree.accumulator` must hold no NaN"):
+    ols.check_state(state._replace(accumulator=nan))
