@@ -543,7 +543,15 @@ class LossScaleOptimizer:
       value, axis = extra_args.get("value"), self.axis_name
       verdict = read(call, state.loss_scale, grads, value, axis, overwritten)
       attempt = _retry.Attempt(state.loss_scale, verdict, None, None)
-    step = _Step(state, params, grads, extra_args, fused, overwritten, attempt)
+    step = _Step(
+      state=state,
+      params=params,
+      grads=grads,
+      extra_args=extra_args,
+      fused=fused,
+      overwritten=overwritten,
+      attempt=attempt,
+    )
     verdict, retries, held = attempt.verdict, attempt.retries, attempt.held
     skip = self.skip_nonfinite
     loss_scale, should_apply = decide(attempt.loss_scale, verdict, skip)
@@ -630,18 +638,19 @@ class LossScaleOptimizer:
     keeps = should_apply if held is None else should_apply & ~held
     if self.gradient_accumulation_steps == 1:
       zero = jnp.zeros((), jnp.int32)
-      return _Window(
-        keeps.astype(jnp.int32), jnp.array(True), keeps, zero, zero
-      )
+      branch, closes, stepped = keeps.astype(jnp.int32), jnp.array(True), keeps
+      return _Window(branch, closes, stepped, micro_step=zero, accumulated=zero)
     closes = state.micro_step + 1 >= self.gradient_accumulation_steps
-    kept = state.accumulated + keeps.astype(jnp.int32)
-    steps = closes & (kept > 0)
+    count = state.accumulated + keeps.astype(jnp.int32)
+    stepped = closes & (count > 0)
     if held is not None:
-      steps &= ~held
-    branch = jnp.where(steps, 2, keeps.astype(jnp.int32))
-    micro_step = jnp.where(closes, 0, state.micro_step + 1)
+      stepped &= ~held
     return _Window(
-      branch, closes, steps, micro_step, jnp.where(closes, 0, kept)
+      branch=jnp.where(stepped, 2, keeps.astype(jnp.int32)),
+      closes=closes,
+      stepped=stepped,
+      micro_step=jnp.where(closes, 0, state.micro_step + 1),
+      accumulated=jnp.where(closes, 0, count),
     )
 
   def _branches(

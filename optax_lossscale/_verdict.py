@@ -82,15 +82,18 @@ def read(
   agreed = _numerics.agree(jnp.stack(local), axis_name)
   unscale = lambda x: multiply_floats(x, *reciprocal(scale))  # noqa: E731
 
+  floats = [
+    i for i, x in enumerate(flat) if x is not None and _numerics.is_float(x)
+  ]
+
   def exact(*arrays: jax.Array) -> tuple[jax.Array, jax.Array]:
-    # The pieces and the leaves are its operands (a conditional's operands
-    # are buffers): the flags read the leaves, the norm the pieces.
-    stacks, given = arrays[: len(pieces)], list(arrays[len(pieces) :])
+    # The pieces and the float leaves are its operands (a conditional's
+    # operands are buffers): the flags read the leaves, the norm the pieces.
+    stacks, given = arrays[: len(pieces)], iter(arrays[len(pieces) :])
     again = [p._replace(array=a) for p, a in zip(pieces, stacks, strict=True)]
-    read = [
-      given.pop(0) if i in set(floats) else None for i in range(len(flat))
-    ]
-    flags = _numerics.finite_flags(read, loss_scale.unscale, marks)
+    chosen = set(floats)
+    as_given = [next(given) if i in chosen else None for i in range(len(flat))]
+    flags = _numerics.finite_flags(as_given, loss_scale.unscale, marks)
     unscaled = _numerics.squares(again, axis_name, unscale)[0]
     return _numerics.agree(flags, axis_name), _numerics.root(unscaled)
 
@@ -98,16 +101,15 @@ def read(
     norm = _numerics.root(trained) / scale.astype(trained.dtype)
     return jnp.ones((len(flat),), jnp.bool_), norm
 
-  index = agreed[0].astype(jnp.int32)
-  floats = [
-    i for i, x in enumerate(flat) if x is not None and _numerics.is_float(x)
-  ]
   operands = [p.array for p in pieces] + [flat[i] for i in floats]
+  index = agreed[0].astype(jnp.int32)
   flags, norm = _cond.switch(
     index, [exact, fast], *operands, sharded_like=grads
   )
   loss_finite = None if value is None else agreed[1]
-  return Verdict(jnp.all(flags), loss_finite, flags, norm)
+  return Verdict(
+    grads_finite=jnp.all(flags), loss_finite=loss_finite, flags=flags, norm=norm
+  )
 
 
 def decide(
