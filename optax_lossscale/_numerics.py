@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 AxisName = Hashable | Sequence[Hashable] | None
@@ -25,6 +26,10 @@ AxisName = Hashable | Sequence[Hashable] | None
 _SMALL = 2**12
 _STACK = 64
 _PADDING = 4
+# A variadic finiteness reduction takes at most _GROUP leaves: XLA:CPU's
+# compile grows faster than linearly in its operands (benchmarks/LLM_STACK.md
+# at 400 leaves of one shape).
+_GROUP = 8
 
 
 def is_float(x: Any) -> bool:
@@ -148,45 +153,59 @@ def root(sum_of_squares: jax.Array) -> jax.Array:
   return jnp.where(jnp.isnan(sum_of_squares), jnp.inf, jnp.sqrt(sum_of_squares))
 
 
-def finite_flags(
-  leaves: Sequence[Any], unscale: Any = None, overwritten: Sequence[bool] = ()
-) -> jax.Array:
-  """Per leaf, True iff all its elements are finite: a bool vector, local.
+def flags(read: Sequence[Piece], n: int, unscale: Any = None) -> jax.Array:
+  """Per leaf of `n`, True iff all it holds is finite: a bool vector, local.
 
-  With `unscale`, each leaf but the `overwritten` ones is read through it.
-  None and non-float leaves (integers, `float0`) are finite. No collective
-  combines replicas. One variadic reduction per group of leaves of one
-  type: it compiles to one kernel, where a reduction per leaf compiled to
-  one each (the exact check and the write record are in branches that
-  rarely run, but every branch is compiled).
+  With `unscale`, trained pieces are read through it. Leaves in no piece
+  (None, integers, `float0`) are finite. No collective combines replicas.
+  One variadic reduction per group of at most _GROUP pieces of one type: it
+  compiles to one kernel, where a reduction per piece compiled to one each
+  (the write record and the exact check are in branches that rarely run,
+  but every branch is compiled).
   """
-  overwritten = list(overwritten) or [False] * len(leaves)
+  arrays = [p.array for p in read]
+  trained = [i for i, p in enumerate(read) if not p.overwritten]
+  if unscale is not None and trained:  # one call: its scalars made once
+    for i, x in zip(
+      trained, unscale([arrays[i] for i in trained]), strict=True
+    ):
+      arrays[i] = x
   groups: dict[Any, list[int]] = {}
-  for i, x in enumerate(leaves):
-    if x is not None and is_float(x):
-      x = jnp.asarray(x)
-      sharding = getattr(jax.typeof(x), "sharding", None)
-      key = (x.shape, x.dtype, sharding, varying_axes(x))
-      groups.setdefault(key, []).append(i)
-  found: list[Any] = [jnp.ones((1,), jnp.bool_)] * len(leaves)
+  for i, p in enumerate(read):
+    x = p.array
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    key = (x.shape, x.dtype, p.rows, sharding, varying_axes(x))
+    groups.setdefault(key, []).append(i)
+  found: list[jax.Array] = []
+  order: list[int] = []
   both = lambda a, b: tuple(x & y for x, y in zip(a, b, strict=True))  # noqa: E731
-  for (shape, *_), indices in groups.items():
-    read = [
-      jnp.asarray(
-        leaves[i] if unscale is None or overwritten[i] else unscale(leaves[i])
-      )
-      for i in indices
-    ]
-    finite = [jnp.isfinite(x) for x in read]
-    reduced = lax.reduce(
-      finite, [True] * len(finite), both, tuple(range(len(shape)))
-    )
-    for i, flag in zip(indices, jax.tree.leaves(reduced), strict=True):
-      found[i] = flag.reshape(1)
+  for (shape, _, rows, *_), same in groups.items():
+    for at in range(0, len(same), _GROUP):
+      group = same[at : at + _GROUP]
+      finite = [jnp.isfinite(arrays[i]) for i in group]
+      axes = tuple(range(1 if rows else 0, len(shape)))
+      reduced = lax.reduce(finite, [True] * len(finite), both, axes)
+      found.extend(r.reshape(-1) for r in jax.tree.leaves(reduced))
+      order.extend(leaf for i in group for leaf in read[i].leaves)
+  others = sorted(set(range(n)) - set(order))
+  if others:
+    found.append(jnp.ones((len(others),), jnp.bool_))
+    order.extend(others)
+  if not found:
+    return jnp.ones((0,), jnp.bool_)
   # Concatenated, not stacked: under `vmap` over a member axis that an
   # Explicit mesh axis shards, `jnp.stack` refuses batched flags beside an
-  # unbatched constant.
-  return jnp.concatenate(found) if found else jnp.ones((0,), jnp.bool_)
+  # unbatched constant. Put back in order by static slices, not a gather:
+  # its index, a constant, fails `vmap` of a `cond` branch on such a mesh.
+  joined = jnp.concatenate(found)
+  position = np.argsort(order)
+  runs = np.split(position, np.flatnonzero(np.diff(position) != 1) + 1)
+  return jnp.concatenate([joined[r[0] : r[0] + len(r)] for r in runs])
+
+
+def finite_flags(leaves: Sequence[Any]) -> jax.Array:
+  """Per leaf, True iff all its elements are finite (see `flags`)."""
+  return flags(pieces(leaves), len(leaves))
 
 
 def agree(flags: jax.Array, axis_name: AxisName) -> jax.Array:

@@ -82,18 +82,10 @@ def read(
   agreed = _numerics.agree(jnp.stack(local), axis_name)
   unscale = lambda x: multiply_floats(x, *reciprocal(scale))  # noqa: E731
 
-  floats = [
-    i for i, x in enumerate(flat) if x is not None and _numerics.is_float(x)
-  ]
-
   def exact(*arrays: jax.Array) -> tuple[jax.Array, jax.Array]:
-    # The pieces and the float leaves are its operands (a conditional's
-    # operands are buffers): the flags read the leaves, the norm the pieces.
-    stacks, given = arrays[: len(pieces)], iter(arrays[len(pieces) :])
-    again = [p._replace(array=a) for p, a in zip(pieces, stacks, strict=True)]
-    chosen = set(floats)
-    as_given = [next(given) if i in chosen else None for i in range(len(flat))]
-    flags = _numerics.finite_flags(as_given, loss_scale.unscale, marks)
+    # The pieces are its operands: a conditional's operands are buffers.
+    again = [p._replace(array=a) for p, a in zip(pieces, arrays, strict=True)]
+    flags = _numerics.flags(again, len(flat), loss_scale.unscale)
     unscaled = _numerics.squares(again, axis_name, unscale)[0]
     return _numerics.agree(flags, axis_name), _numerics.root(unscaled)
 
@@ -101,7 +93,7 @@ def read(
     norm = _numerics.root(trained) / scale.astype(trained.dtype)
     return jnp.ones((len(flat),), jnp.bool_), norm
 
-  operands = [p.array for p in pieces] + [flat[i] for i in floats]
+  operands = [p.array for p in pieces]
   index = agreed[0].astype(jnp.int32)
   flags, norm = _cond.switch(
     index, [exact, fast], *operands, sharded_like=grads
