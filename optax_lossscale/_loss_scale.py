@@ -36,15 +36,21 @@ from optax_lossscale._validation import FLOAT32_MAX, boolean, integer, scalar
 __all__ = ["DynamicLossScale", "FixedLossScale", "LossScale", "NoOpLossScale"]
 
 
-def multiply_floats(tree: Any, *factors: jax.Array) -> Any:
-  """Each float leaf times each of `factors` in turn, in at least float32;
-  the others pass as they are.
+def multiply_floats(tree: Any, factor: jax.Array, exponent: Any = 0) -> Any:
+  """Each float leaf times `factor * 2**exponent`, in at least float32; the
+  others pass as they are.
 
-  Each leaf keeps its dtype: it is widened, multiplied by the factors (cast
-  to that width) and rounded to its dtype once. With the factors of
-  `unscaling`, the first product is the one rounding; the second is by a
-  power of two.
+  Each leaf keeps its dtype: it is widened, multiplied by the power of two
+  in two normal halves, exactly, then by `factor` cast to that width, and
+  the product is rounded once. A factor below float32's least normal
+  number (the reciprocal of a scale above 2**126) would be flushed to 0 on
+  XLA:CPU and accelerators; its halves are not.
   """
+  half = jnp.asarray(exponent, jnp.int32) // 2
+  # Behind a barrier, XLA cannot fold constant halves into one subnormal.
+  twos = jax.lax.optimization_barrier(
+    [jnp.ldexp(jnp.float32(1), k) for k in (half, exponent - half)]
+  )
 
   def leaf(x: Any) -> Any:
     if x is None or not _numerics.is_float(x):
@@ -54,35 +60,18 @@ def multiply_floats(tree: Any, *factors: jax.Array) -> Any:
       return jax.lax.complex(leaf(jnp.real(x)), leaf(jnp.imag(x)))
     wide = jnp.float32 if x.dtype.itemsize < 4 else x.dtype  # half: float32
     product = x.astype(wide)
-    for factor in factors:
-      product = product * factor.astype(wide)
-    return product.astype(x.dtype)
+    for two in twos:  # exact, unless the product is subnormal anyway
+      product = product * two.astype(wide)
+    return (product * factor.astype(wide)).astype(x.dtype)
 
   return jax.tree.map(leaf, tree, is_leaf=lambda x: x is None)
 
 
-def unscaling(
-  scale: jax.Array, clip: jax.Array | None = None
-) -> tuple[jax.Array, jax.Array]:
-  """`clip / scale` as two factors that `multiply_floats` applies in turn,
-  neither below float32's least normal number, which XLA:CPU and
-  accelerators flush to 0 (the reciprocal of a scale above 2**126 is).
-
-  The first is `clip` times the correctly rounded reciprocal of the scale,
-  times a power of two where that is subnormal; the second is that power
-  of two's reciprocal, 1 for scales up to 2**126. Compute them outside a
-  conditional: XLA copies a scalar computed inside one into every leaf's
-  kernel.
-  """
-  clip = jnp.ones((), scale.dtype) if clip is None else clip
-  dtype = jnp.promote_types(clip.dtype, scale.dtype)  # float64's norm: 64
+def reciprocal(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """`1 / scale` as `(factor, exponent)`: the correctly rounded reciprocal of
+  its mantissa, and a power of two, so that no part is subnormal."""
   mantissa, exponent = jnp.frexp(scale)
-  first = clip.astype(dtype) * (1 / mantissa).astype(dtype)
-  first = jnp.ldexp(first, jnp.maximum(-exponent, -126))
-  second = jnp.ldexp(jnp.ones((), dtype), jnp.minimum(126 - exponent, 0))
-  # Behind a barrier, XLA cannot fold constant factors into one subnormal.
-  first, second = jax.lax.optimization_barrier((first, second))
-  return first, second
+  return 1 / mantissa, -exponent
 
 
 class LossScale(abc.ABC):
@@ -211,7 +200,7 @@ class LossScale(abc.ABC):
       A pytree of the same structure and dtypes; None, integer, bool and
       `float0` leaves pass unchanged.
     """
-    return multiply_floats(tree, *unscaling(self()))
+    return multiply_floats(tree, *reciprocal(self()))
 
   def lowered(self) -> Self | None:
     """Returns the loss scale to retry an overflowed step with, or None.

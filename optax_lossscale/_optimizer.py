@@ -14,7 +14,7 @@ import optax
 from optax.tree import where as tree_where
 
 from optax_lossscale import _cond, _inputs, _numerics, _retry, _validation
-from optax_lossscale._loss_scale import LossScale, multiply_floats, unscaling
+from optax_lossscale._loss_scale import LossScale, multiply_floats, reciprocal
 from optax_lossscale._states import LossScaleOptimizerState as State
 from optax_lossscale._states import SkipRecord, WriteRecord
 from optax_lossscale._value_and_grad import scaled_value_and_grad
@@ -672,9 +672,10 @@ class LossScaleOptimizer:
       if accumulating
       else self._clip(verdict.norm, verdict.grads_finite)
     )
-    factors = unscaling(step.attempt.loss_scale(), clip)
+    factor, exponent = reciprocal(step.attempt.loss_scale())
+    factor = clip * factor.astype(clip.dtype)  # float64 with a float64 norm
     unscaled = lambda: without_overwritten(  # noqa: E731
-      step.overwritten, multiply_floats(step.grads, *factors)
+      step.overwritten, multiply_floats(step.grads, factor, exponent)
     )
     given = state.accumulator if accumulating else unscaled()
     output, update = self._inner_update(step, given)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_lossscale import _cond, _numerics, _validation
-from optax_lossscale._loss_scale import LossScale, multiply_floats, unscaling
+from optax_lossscale._loss_scale import LossScale, multiply_floats, reciprocal
 
 
 class Verdict(NamedTuple):
@@ -80,13 +80,12 @@ def read(
   if value is not None:
     local.append(jnp.all(jnp.isfinite(value)))
   agreed = _numerics.agree(jnp.stack(local), axis_name)
-  factors = unscaling(scale)  # outside the conditional
-  unscale = lambda x: multiply_floats(x, *factors)  # noqa: E731
+  unscale = lambda x: multiply_floats(x, *reciprocal(scale))  # noqa: E731
 
   def exact(*arrays: jax.Array) -> tuple[jax.Array, jax.Array]:
     # The pieces are its operands: a conditional's operands are buffers.
     again = [p._replace(array=a) for p, a in zip(pieces, arrays, strict=True)]
-    flags = _numerics.flags(again, len(flat), unscale)
+    flags = _numerics.flags(again, len(flat), loss_scale.unscale)
     unscaled = _numerics.squares(again, axis_name, unscale)[0]
     return _numerics.agree(flags, axis_name), _numerics.root(unscaled)
 
