@@ -153,6 +153,11 @@ def root(sum_of_squares: jax.Array) -> jax.Array:
   return jnp.where(jnp.isnan(sum_of_squares), jnp.inf, jnp.sqrt(sum_of_squares))
 
 
+def _both(a: Sequence[Any], b: Sequence[Any]) -> tuple[Any, ...]:
+  """The AND of two tuples of flags (one function: JAX caches by it)."""
+  return tuple(x & y for x, y in zip(a, b, strict=True))
+
+
 def flags(read: Sequence[Piece], n: int, unscale: Any = None) -> jax.Array:
   """Per leaf of `n`, True iff all it holds is finite: a bool vector, local.
 
@@ -178,13 +183,12 @@ def flags(read: Sequence[Piece], n: int, unscale: Any = None) -> jax.Array:
     groups.setdefault(key, []).append(i)
   found: list[jax.Array] = []
   order: list[int] = []
-  both = lambda a, b: tuple(x & y for x, y in zip(a, b, strict=True))  # noqa: E731
   for (shape, _, rows, *_), same in groups.items():
     for at in range(0, len(same), _GROUP):
       group = same[at : at + _GROUP]
       finite = [jnp.isfinite(arrays[i]) for i in group]
       axes = tuple(range(1 if rows else 0, len(shape)))
-      reduced = lax.reduce(finite, [True] * len(finite), both, axes)
+      reduced = lax.reduce(finite, [True] * len(finite), _both, axes)
       found.extend(r.reshape(-1) for r in jax.tree.leaves(reduced))
       order.extend(leaf for i in group for leaf in read[i].leaves)
   others = sorted(set(range(n)) - set(order))
