@@ -47,10 +47,12 @@ def multiply_floats(tree: Any, factor: jax.Array, exponent: Any = 0) -> Any:
   XLA:CPU and accelerators; its halves are not.
   """
   half = jnp.asarray(exponent, jnp.int32) // 2
-  # Behind a barrier, XLA cannot fold constant halves into one subnormal.
-  twos = jax.lax.optimization_barrier(
-    [jnp.ldexp(jnp.float32(1), k) for k in (half, exponent - half)]
-  )
+  # 2**k for |k| <= 64, from its bits: XLA copies a scalar computed inside a
+  # conditional into every leaf's kernel, where `jnp.ldexp`'s general case
+  # cost the 400-leaf step (benchmarks/LLM_STACK.md). Behind a barrier, XLA
+  # cannot fold constant halves into one subnormal.
+  two = lambda k: jax.lax.bitcast_convert_type((k + 127) << 23, jnp.float32)  # noqa: E731
+  twos = jax.lax.optimization_barrier([two(half), two(exponent - half)])
 
   def leaf(x: Any) -> Any:
     if x is None or not _numerics.is_float(x):
