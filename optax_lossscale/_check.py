@@ -122,6 +122,13 @@ def _check_optimizer_state(state: LossScaleOptimizerState, path: str) -> None:
         f"`{path}.accumulator` must hold no NaN: the window's mean would"
         " stay NaN."
       )
+  _check_records(state, path, shape)
+
+
+def _check_records(
+  state: LossScaleOptimizerState, path: str, shape: Any
+) -> None:
+  """The skip record and the write record: types, dtypes, shapes, ranges."""
   records = {  # abstract: no transfer to a device (`jax.transfer_guard`)
     "last_skip": jax.eval_shape(_states.SkipRecord.empty, np.float32(1), []),
     "last_nonfinite_write": jax.eval_shape(_states.WriteRecord.empty, []),

@@ -534,31 +534,11 @@ class LossScaleOptimizer:
     follows (`held`) writes nothing; that is folded into the one
     conditional (a second would make XLA copy what the retry loop carries).
     """
-    _inputs.check_inputs(call, grads, state, params, self._dtypes)
-    self._check_accumulator(call, state)
-    overwritten = self._overwritten(call, grads)
-    if params is None and any(jax.tree.leaves(overwritten)):
-      raise ValueError(f"`{call}(params=None)`: overwritten leaves need them.")
-    if attempt is None:  # outside the retry loop
-      value, axis = extra_args.get("value"), self.axis_name
-      verdict = read(call, state.loss_scale, grads, value, axis, overwritten)
-      attempt = _retry.Attempt(state.loss_scale, verdict, None, None)
-    step = _Step(
-      state=state,
-      params=params,
-      grads=grads,
-      extra_args=extra_args,
-      fused=fused,
-      overwritten=overwritten,
-      attempt=attempt,
+    step = self._prepare(call, grads, state, params, extra_args, fused, attempt)
+    attempt, held = step.attempt, step.attempt.held
+    loss_scale, should_apply = decide(
+      attempt.loss_scale, attempt.verdict, self.skip_nonfinite
     )
-    verdict, retries, held = attempt.verdict, attempt.retries, attempt.held
-    skip = self.skip_nonfinite
-    loss_scale, should_apply = decide(attempt.loss_scale, verdict, skip)
-    if retries is not None:  # the scale moves as for one overflowed step
-      first = verdict.grads_finite & (retries == 0)
-      first_verdict = verdict._replace(grads_finite=first)
-      loss_scale = decide(state.loss_scale, first_verdict, skip)[0]
     window = self._window(state, should_apply, held)
     try:  # `inner` reads its state here
       out, inner, accumulator, wrote, norm = _cond.switch(
@@ -573,14 +553,12 @@ class LossScaleOptimizer:
     except Exception as error:
       self._foreign(call, step, error)
       raise
-    hold = should_apply & ~window.closes  # a kept micro-batch, window open
-    if retries is not None:
-      hold &= retries == 0
-    loss_scale = tree_where(hold, _held(state.loss_scale), loss_scale)
+    loss_scale = self._moved(step, loss_scale, should_apply, window)
     dropped = ~should_apply if held is None else ~should_apply & ~held
+    retries = 0 if attempt.retries is None else attempt.retries
     new = _counted(step, loss_scale, should_apply, dropped)._replace(
       inner_state=inner,
-      retries=state.retries + (0 if retries is None else retries),
+      retries=state.retries + retries,
       last_nonfinite_write=wrote,
       grad_norm=norm.astype(jnp.float32),
       accumulated=window.accumulated,
@@ -594,6 +572,54 @@ class LossScaleOptimizer:
       )
       new = tree_where(held, kept, new)
     return out, new
+
+  def _prepare(
+    self,
+    call: str,
+    grads: Any,
+    state: State,
+    params: Any,
+    extra_args: dict[str, Any],
+    fused: bool,
+    attempt: _retry.Attempt | None,
+  ) -> _Step:
+    """Checks a step's inputs; reads the gradients outside the retry loop."""
+    _inputs.check_inputs(call, grads, state, params, self._dtypes)
+    self._check_accumulator(call, state)
+    overwritten = self._overwritten(call, grads)
+    if params is None and any(jax.tree.leaves(overwritten)):
+      raise ValueError(f"`{call}(params=None)`: overwritten leaves need them.")
+    if attempt is None:  # outside the retry loop
+      value, axis = extra_args.get("value"), self.axis_name
+      verdict = read(call, state.loss_scale, grads, value, axis, overwritten)
+      attempt = _retry.Attempt(state.loss_scale, verdict, None, None)
+    return _Step(
+      state=state,
+      params=params,
+      grads=grads,
+      extra_args=extra_args,
+      fused=fused,
+      overwritten=overwritten,
+      attempt=attempt,
+    )
+
+  def _moved(
+    self,
+    step: _Step,
+    loss_scale: LossScale,
+    should_apply: jax.Array,
+    window: _Window,
+  ) -> LossScale:
+    """The next loss scale: a retried batch moves it as one overflowed step
+    would, and a kept micro-batch of an open window holds it."""
+    state, retries = step.state, step.attempt.retries
+    hold = should_apply & ~window.closes
+    if retries is not None:
+      first = step.attempt.verdict.grads_finite & (retries == 0)
+      verdict = step.attempt.verdict._replace(grads_finite=first)
+      loss_scale = decide(state.loss_scale, verdict, self.skip_nonfinite)[0]
+      hold &= retries == 0
+    return tree_where(hold, _held(state.loss_scale), loss_scale)  # type: ignore[no-any-return]
 
   def _foreign(self, call: str, step: _Step, error: Exception) -> None:
     """Raises a `TypeError` naming `inner_state` if the step's is not of the
