@@ -24,6 +24,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
+from collections.abc import Sequence
 from typing import Any, Self
 
 import jax
@@ -36,23 +37,14 @@ from optax_lossscale._validation import FLOAT32_MAX, boolean, integer, scalar
 __all__ = ["DynamicLossScale", "FixedLossScale", "LossScale", "NoOpLossScale"]
 
 
-def multiply_floats(tree: Any, factor: jax.Array, exponent: Any = 0) -> Any:
-  """Each float leaf times `factor * 2**exponent`, in at least float32; the
-  others pass as they are.
+def multiply_floats(tree: Any, factor: jax.Array, twos: Sequence[Any] = ()) -> Any:
+  """Each float leaf times `factor` and the powers of two `twos`, in at least
+  float32; the others pass as they are.
 
-  Each leaf keeps its dtype: it is widened, multiplied by the power of two
-  in two normal halves, exactly, then by `factor` cast to that width, and
-  the product is rounded once. A factor below float32's least normal
-  number (the reciprocal of a scale above 2**126) would be flushed to 0 on
-  XLA:CPU and accelerators; its halves are not.
+  Each leaf keeps its dtype: it is widened, multiplied by each power of two
+  (exactly, unless the product is subnormal anyway), then by `factor` cast
+  to that width, and the product is rounded once.
   """
-  half = jnp.asarray(exponent, jnp.int32) // 2
-  # 2**k for |k| <= 64, from its bits: XLA copies a scalar computed inside a
-  # conditional into every leaf's kernel, where `jnp.ldexp`'s general case
-  # cost the 400-leaf step (benchmarks/LLM_STACK.md). Behind a barrier, XLA
-  # cannot fold constant halves into one subnormal.
-  two = lambda k: jax.lax.bitcast_convert_type((k + 127) << 23, jnp.float32)  # noqa: E731
-  twos = jax.lax.optimization_barrier([two(half), two(exponent - half)])
 
   def leaf(x: Any) -> Any:
     if x is None or not _numerics.is_float(x):
@@ -62,18 +54,26 @@ def multiply_floats(tree: Any, factor: jax.Array, exponent: Any = 0) -> Any:
       return jax.lax.complex(leaf(jnp.real(x)), leaf(jnp.imag(x)))
     wide = jnp.float32 if x.dtype.itemsize < 4 else x.dtype  # half: float32
     product = x.astype(wide)
-    for two in twos:  # exact, unless the product is subnormal anyway
+    for two in twos:
       product = product * two.astype(wide)
     return (product * factor.astype(wide)).astype(x.dtype)
 
   return jax.tree.map(leaf, tree, is_leaf=lambda x: x is None)
 
 
-def reciprocal(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """`1 / scale` as `(factor, exponent)`: the correctly rounded reciprocal of
-  its mantissa, and a power of two, so that no part is subnormal."""
+def reciprocal(scale: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
+  """`1 / scale` as `(factor, twos)` for `multiply_floats`: the correctly
+  rounded reciprocal of its mantissa, and its power of two in two normal
+  halves. The reciprocal of a scale above 2**126 is below float32's least
+  normal number, which XLA:CPU and accelerators flush to 0; its parts are
+  not. Compute it outside a conditional that multiplies by it: XLA copies
+  scalar work done inside one into every leaf's kernel."""
   mantissa, exponent = jnp.frexp(scale)
-  return 1 / mantissa, -exponent
+  half = -exponent // 2
+  two = lambda k: jax.lax.bitcast_convert_type((k + 127) << 23, jnp.float32)  # noqa: E731
+  # Behind a barrier, XLA cannot fold constant halves into one subnormal.
+  twos = jax.lax.optimization_barrier([two(half), two(-exponent - half)])
+  return 1 / mantissa, twos
 
 
 class LossScale(abc.ABC):

@@ -698,10 +698,10 @@ class LossScaleOptimizer:
       if accumulating
       else self._clip(verdict.norm, verdict.grads_finite)
     )
-    factor, exponent = reciprocal(step.attempt.loss_scale())
+    factor, twos = reciprocal(step.attempt.loss_scale())
     factor = clip * factor.astype(clip.dtype)  # float64 with a float64 norm
     unscaled = lambda: without_overwritten(  # noqa: E731
-      step.overwritten, multiply_floats(step.grads, factor, exponent)
+      step.overwritten, multiply_floats(step.grads, factor, twos)
     )
     given = state.accumulator if accumulating else unscaled()
     output, update = self._inner_update(step, given)
