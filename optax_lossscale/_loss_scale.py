@@ -37,7 +37,9 @@ from optax_lossscale._validation import FLOAT32_MAX, boolean, integer, scalar
 __all__ = ["DynamicLossScale", "FixedLossScale", "LossScale", "NoOpLossScale"]
 
 
-def multiply_floats(tree: Any, factor: jax.Array, twos: Sequence[Any] = ()) -> Any:
+def multiply_floats(
+  tree: Any, factor: jax.Array, twos: Sequence[Any] = ()
+) -> Any:
   """Each float leaf times `factor` and the powers of two `twos`, in at least
   float32; the others pass as they are.
 
