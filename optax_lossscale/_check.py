@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 import jax
 import numpy as np
 
-from optax_lossscale import _loss_scale, _states, _validation
+from optax_lossscale import _loss_scale, _spikes, _states, _validation
 from optax_lossscale._loss_scale import LossScale
 from optax_lossscale._states import LossScaleOptimizerState
 
@@ -45,10 +45,10 @@ def _check(
   dtype: Any,
   shape: Any,
   valid: tuple[float, float] = (0, np.inf),
-  per_leaf: bool = False,
+  axes: int = 0,
 ) -> np.ndarray | None:
-  """`value`'s dtype, its shape (the state's, or with `per_leaf` one axis
-  more), its range; returns its values if they are concrete."""
+  """`value`'s dtype, its shape (the state's, plus `axes` axes), its range;
+  returns its values if they are concrete."""
   value = _array(value)
   if isinstance(value, numbers.Number) or value is None:
     got = _validation.describe(value)
@@ -56,9 +56,9 @@ def _check(
       f"{where} must be an array of {np.dtype(dtype)}, got {got}."
     )
   _validation.array_dtype(where, value, dtype)
-  got = np.shape(value)[: -1 if per_leaf else None]
-  if got != shape or per_leaf and not np.ndim(value):
-    plus = ", plus one axis" if per_leaf else ""
+  got = np.shape(value)[: np.ndim(value) - axes]
+  if got != shape or np.ndim(value) < axes:
+    plus = f", plus {axes} axes" if axes else ""
     raise ValueError(
       f"{where} must have the state's shape {shape}{plus}, got {np.shape(value)}."
     )
@@ -122,7 +122,24 @@ def _check_optimizer_state(state: LossScaleOptimizerState, path: str) -> None:
         f"`{path}.accumulator` must hold no NaN: the window's mean would"
         " stay NaN."
       )
+  if not (isinstance(state.spikes, tuple) and not state.spikes):  # on
+    _check_spikes(state.spikes, f"{path}.spikes", shape)
   _check_records(state, path, shape)
+
+
+def _check_spikes(window: Any, path: str, shape: Any) -> None:
+  """The spike rule's window: finite values, a count below twice its
+  length."""
+  if not isinstance(window, _spikes.SpikeWindow):
+    got = _validation.describe(window)
+    raise TypeError(f"`{path}` must be a SpikeWindow or (), got {got}.")
+  length = np.shape(_array(window.values))[-1]
+  finite = (-np.inf, np.inf)
+  _check(f"`{path}.values`", window.values, np.float32, shape, finite, axes=2)
+  _check(
+    f"`{path}.written`", window.written, np.int32, shape, (0, 2 * length - 1)
+  )
+  _check(f"`{path}.loss_sum`", window.loss_sum, np.float32, shape, finite)
 
 
 def _check_records(
@@ -140,11 +157,12 @@ def _check_records(
         f"`{path}.{field}` must be a {type(empty).__name__}, got"
         f" {_validation.describe(record)}."
       )
-    for name, want in vars(empty).items():  # `want` of one axis: per leaf
+    for name, want in vars(empty).items():  # `want`'s axes: per leaf, ...
       where = f"`{path}.{field}.{name}`"
-      valid = (-1 if name == "step" else 0, np.inf)  # -1: none yet
+      valid: tuple[float, float] = (-1 if name.endswith("step") else 0, np.inf)
+      valid = (-np.inf, np.inf) if name == "spike" else valid  # a loss, < 0
       value = getattr(record, name)
-      _check(where, value, want.dtype, shape, valid, per_leaf=want.ndim == 1)
+      _check(where, value, want.dtype, shape, valid, axes=want.ndim)
     raw = _validation.host_values(_array(state.last_skip.leaf_names))
     names = None if raw is None else len(state.last_skip.names())
     flags = np.shape(_array(record.nonfinite))

@@ -13,7 +13,14 @@ import jax.numpy as jnp
 import optax
 from optax.tree import where as tree_where
 
-from optax_lossscale import _cond, _inputs, _numerics, _retry, _validation
+from optax_lossscale import (
+  _cond,
+  _inputs,
+  _numerics,
+  _retry,
+  _spikes,
+  _validation,
+)
 from optax_lossscale._loss_scale import LossScale, multiply_floats, reciprocal
 from optax_lossscale._states import LossScaleOptimizerState as State
 from optax_lossscale._states import SkipRecord, WriteRecord
@@ -102,11 +109,30 @@ def _write_record(state: State, params: Any, axis_name: Any) -> WriteRecord:
   return tree_where(jnp.all(finite) | (applied < 0), last, new)  # type: ignore[no-any-return]
 
 
+def _leaf_norms(step: _Step, unscaled: Any) -> jax.Array:
+  """Each gradient leaf's norm, unscaled (0 for an overwritten or a None
+  leaf), float32: read in a skipped step's branch only."""
+  marks = leaves(step.overwritten)
+  norms = [
+    jnp.zeros((), jnp.float32)
+    if x is None or mark or not _numerics.is_float(x)
+    else jnp.sqrt(jnp.sum(jnp.square(jnp.abs(x).astype(jnp.float32))))
+    for x, mark in zip(leaves(unscaled), marks, strict=True)
+  ]
+  return jnp.stack(norms) if norms else jnp.zeros((0,), jnp.float32)
+
+
 def _counted(
-  step: _Step, loss_scale: LossScale, should_apply: Any, dropped: Any
+  step: _Step,
+  loss_scale: LossScale,
+  should_apply: Any,
+  dropped: Any,
+  spike: tuple[_spikes.Spike, jax.Array, jax.Array],
 ) -> State:
   """The state's loss scale, counters and skip record after a step;
-  `dropped` whether the step is recorded as skipped (not held for a retry).
+  `dropped` whether the step is recorded as skipped (not held for a retry);
+  `spike` the rule's verdict, each leaf's norm on a spike, and the step's
+  number in optimizer steps.
 
   The record's scale is the step's; the attempt's says whether the scale
   reached its floor.
@@ -129,6 +155,10 @@ def _counted(
     loss_finite=jnp.array(True) if loss_finite is None else loss_finite,
     at_floor=jnp.array(True) if lowered is None else lowered() >= tried(),
     nonfinite=~verdict.flags[:slots],
+    spiked=spike[0].spiked,
+    spike=spike[0].stats,
+    leaf_norms=spike[1],
+    optimizer_step=spike[2],
   )
   loss_failed = False if loss_finite is None else ~loss_finite
   return state._replace(
@@ -219,13 +249,21 @@ class LossScaleOptimizer:
       rule).
     gradient_accumulation_steps: how many micro-batches each optimizer step
       averages; 1 (the default) does not accumulate.
+    spike_sigmas: skip a step whose global norm, or whose loss when given
+      as `value=`, exceeds the mean of the last `spike_window` finite
+      steps' by more than this many standard deviations (OLMo-core's rule,
+      `docs/guides/bad_batches.md`); judged once the window is half full,
+      under accumulation at a window's end by its mean. None (the default)
+      judges nothing.
+    spike_window: how many recent finite steps the spike rule compares
+      with (at least 4).
 
   Raises:
     TypeError: if an argument has the wrong type, or `inner` is an
       `optax.MultiSteps` in either form (the message writes out the
       replacement).
-    ValueError: if `max_norm` is not positive, or
-      `gradient_accumulation_steps` is below 1.
+    ValueError: if `max_norm` or `spike_sigmas` is not positive,
+      `gradient_accumulation_steps` is below 1 or `spike_window` below 4.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -262,6 +300,8 @@ class LossScaleOptimizer:
     axis_name: _numerics.AxisName = None,
     overwrite_with_gradient: Any = None,
     gradient_accumulation_steps: int = 1,
+    spike_sigmas: float | None = None,
+    spike_window: int = 128,
   ) -> None:
     call = "LossScaleOptimizer"
     if isinstance(inner, optax.MultiSteps):  # its other forms: in `init`
@@ -293,6 +333,16 @@ class LossScaleOptimizer:
       "gradient_accumulation_steps",
       gradient_accumulation_steps,
       minimum=1,
+    )
+    if spike_sigmas is not None:
+      spike_sigmas = _validation.scalar(call, "spike_sigmas", spike_sigmas)
+      if not spike_sigmas > 0:
+        raise ValueError(
+          f"`{call}(spike_sigmas=...)` must be positive, got {spike_sigmas}."
+        )
+    self.spike_sigmas = spike_sigmas
+    self.spike_window = _validation.integer(
+      call, "spike_window", spike_window, minimum=4
     )
     # What every state's own leaves are (outside any trace: under
     # `shard_map`, the loss scale's arrays could not be closed over).
@@ -349,6 +399,10 @@ class LossScaleOptimizer:
       stepped=jnp.array(False),
       micro_step=zero(),
       accumulator=accumulator,
+      skipped_optimizer_steps=zero(),
+      spikes=()
+      if self.spike_sigmas is None
+      else _spikes.SpikeWindow.empty(self.spike_window),
     )
 
   def _overwritten(self, call: str, tree: Any) -> Any:
@@ -539,11 +593,12 @@ class LossScaleOptimizer:
     loss_scale, should_apply = decide(
       attempt.loss_scale, attempt.verdict, self.skip_nonfinite
     )
-    window = self._window(state, should_apply, held)
+    spike, spikes = self._spike(step, should_apply, held)
+    window = self._window(state, should_apply & ~spike.found, held, spike)
     try:  # `inner` reads its state here
-      out, inner, accumulator, wrote, norm = _cond.switch(
+      out, inner, accumulator, wrote, norm, norms = _cond.switch(
         window.branch,
-        self._branches(step, should_apply, held),
+        self._branches(step, should_apply, held, spike),
         params,
         state.inner_state,
         state.accumulator,
@@ -553,10 +608,13 @@ class LossScaleOptimizer:
     except Exception as error:
       self._foreign(call, step, error)
       raise
+    should_apply &= ~spike.found
     loss_scale = self._moved(step, loss_scale, should_apply, window)
     dropped = ~should_apply if held is None else ~should_apply & ~held
     retries = 0 if attempt.retries is None else attempt.retries
-    new = _counted(step, loss_scale, should_apply, dropped)._replace(
+    k = self.gradient_accumulation_steps
+    record = (spike, norms, state.steps // k)
+    new = _counted(step, loss_scale, should_apply, dropped, record)._replace(
       inner_state=inner,
       retries=state.retries + retries,
       last_nonfinite_write=wrote,
@@ -565,6 +623,10 @@ class LossScaleOptimizer:
       stepped=window.stepped,
       micro_step=window.micro_step,
       accumulator=accumulator,
+      skipped_optimizer_steps=_count(
+        state.skipped_optimizer_steps, window.closes & ~window.stepped
+      ),
+      spikes=spikes,
     )
     if held is not None:  # the conditional's outputs, as they were
       kept = state._replace(
@@ -655,11 +717,13 @@ class LossScaleOptimizer:
     state: State,
     should_apply: jax.Array,
     held: jax.Array | None,
+    spike: _spikes.Spike,
   ) -> _Window:
     """The branch this call takes, and the window's counters after it.
 
     Without accumulation, every window is one call long. A held attempt
-    skips: the retry that follows it may close the window.
+    skips: the retry that follows it may close the window. A spiking
+    window does not step.
     """
     keeps = should_apply if held is None else should_apply & ~held
     if self.gradient_accumulation_steps == 1:
@@ -668,7 +732,7 @@ class LossScaleOptimizer:
       return _Window(branch, closes, stepped, micro_step=zero, accumulated=zero)
     closes = state.micro_step + 1 >= self.gradient_accumulation_steps
     count = state.accumulated + keeps.astype(jnp.int32)
-    stepped = closes & (count > 0)
+    stepped = closes & (count > 0) & ~spike.found
     if held is not None:
       stepped &= ~held
     return _Window(
@@ -680,14 +744,18 @@ class LossScaleOptimizer:
     )
 
   def _branches(
-    self, step: _Step, should_apply: jax.Array, held: jax.Array | None
+    self,
+    step: _Step,
+    should_apply: jax.Array,
+    held: jax.Array | None,
+    spike: _spikes.Spike,
   ) -> list[Callable[..., Any]]:
     """The branches: skip, (accumulate,) step. Each takes the parameters,
     `inner`'s state, the accumulator and the write record, and returns the
-    output, the three states and the norm (when `inner` steps under
-    accumulation, the window's). The skip stays branch 0, which XLA passes
-    donated buffers through uncopied (jax#39449;
-    tests/test_accelerator_ready.py)."""
+    output, the three states, the norm (when `inner` steps under
+    accumulation, the window's) and, on a spike, each leaf's norm. The skip
+    stays branch 0, which XLA passes donated buffers through uncopied
+    (jax#39449; tests/test_accelerator_ready.py)."""
     accumulating = self.gradient_accumulation_steps > 1
     verdict, state = step.attempt.verdict, step.state
     # Without accumulation the clip multiplies the unscaling: one scalar,
@@ -698,39 +766,97 @@ class LossScaleOptimizer:
       if accumulating
       else self._clip(verdict.norm, verdict.grads_finite)
     )
-    factor, twos = reciprocal(step.attempt.loss_scale())
-    factor = clip * factor.astype(clip.dtype)  # float64 with a float64 norm
-    unscaled = lambda: without_overwritten(  # noqa: E731
-      step.overwritten, multiply_floats(step.grads, factor, twos)
-    )
+    unscaled = lambda: self._unscaled(step, clip)  # noqa: E731
     given = state.accumulator if accumulating else unscaled()
     output, update = self._inner_update(step, given)
+    slots = state.last_skip.nonfinite.shape[-1]  # none after `init(None)`
+    none = jnp.zeros((slots,), jnp.float32)
 
     def skip(params: Any, inner: Any, acc: Any, wrote: Any) -> Any:
       new = _write_record(state, params, self.axis_name)
       new = new if held is None else tree_where(held, wrote, new)
-      return output(params, None, False), inner, acc, new, verdict.norm
+      norms = none
+      if self.spike_sigmas is not None:  # the leaves that carry a spike
+        norms = _leaf_norms(step, self._unscaled(step, None))[:slots]
+        norms = jnp.where(spike.found, norms, none)
+      return output(params, None, False), inner, acc, new, verdict.norm, norms
 
     def accumulate(params: Any, inner: Any, acc: Any, wrote: Any) -> Any:
       acc = self._mean(state, acc, unscaled(), should_apply)
-      return output(params, None, should_apply), inner, acc, wrote, verdict.norm
+      out = output(params, None, should_apply)
+      return out, inner, acc, wrote, verdict.norm, none
 
     def apply(params: Any, inner: Any, acc: Any, wrote: Any) -> Any:
       g, norm = unscaled(), verdict.norm
       if accumulating:  # the window's mean, its norm, its clip
-        g = self._mean(state, acc, g, should_apply)
-        norm = _numerics.root(
-          _numerics.squares(_numerics.pieces(leaves(g)), self.axis_name)[0]
-        )
-        flags = _numerics.finite_flags(leaves(g))
-        finite = jnp.all(_numerics.agree(flags, self.axis_name))
+        g, norm, finite = self._window_mean(state, acc, g, should_apply)
         g = multiply_floats(g, self._clip(norm, finite))
         acc = optax.tree.zeros_like(acc)
       trained = without_overwritten(step.overwritten, params)
       updates, inner = update(g, inner, trained)
-      return output(params, updates, should_apply), inner, acc, wrote, norm
+      out = output(params, updates, should_apply)
+      return out, inner, acc, wrote, norm, none
 
     return [skip, accumulate, apply] if accumulating else [skip, apply]
+
+  def _unscaled(self, step: _Step, clip: jax.Array | None) -> Any:
+    """The step's gradients unscaled and, by `clip`, clipped; overwritten
+    leaves left out unless `clip` is None (each leaf in its place)."""
+    factor, twos = reciprocal(step.attempt.loss_scale())
+    if clip is None:
+      return multiply_floats(step.grads, factor, twos)
+    factor = clip * factor.astype(clip.dtype)  # float64 with a float64 norm
+    grads = multiply_floats(step.grads, factor, twos)
+    return without_overwritten(step.overwritten, grads)
+
+  def _window_mean(
+    self, state: State, acc: Any, g: Any, kept: jax.Array
+  ) -> tuple[Any, jax.Array, jax.Array]:
+    """The window's mean gradient with `g` if `kept`, its global norm, and
+    whether it is finite."""
+    mean = self._mean(state, acc, g, kept)
+    flat = leaves(mean)
+    norm = _numerics.root(
+      _numerics.squares(_numerics.pieces(flat), self.axis_name)[0]
+    )
+    flags = _numerics.agree(_numerics.finite_flags(flat), self.axis_name)
+    return mean, norm, jnp.all(flags)
+
+  def _spike(
+    self, step: _Step, should_apply: jax.Array, held: jax.Array | None
+  ) -> tuple[_spikes.Spike, Any]:
+    """The spike rule's verdict on this call, and its window after it.
+
+    A step is judged by its norm and loss; under accumulation, a window at
+    its end, by its mean gradient's norm and its micro-batches' mean loss.
+    Off, no spike, and the window stays `()`.
+    """
+    state = step.state
+    if self.spike_sigmas is None:
+      off = jnp.zeros((2,), jnp.bool_)
+      return _spikes.Spike(jnp.array(False), off, jnp.zeros((2, 4))), ()
+    window, norm = state.spikes, step.attempt.verdict.norm
+    given = step.extra_args.get("value")
+    loss = jnp.zeros(()) if given is None else jnp.mean(given)
+    loss = loss.astype(jnp.float32)
+    kept = should_apply if held is None else should_apply & ~held
+    judged, loss_sum = kept, window.loss_sum
+    if self.gradient_accumulation_steps > 1:
+      count = state.accumulated + kept.astype(jnp.int32)
+      total = loss_sum + jnp.where(kept, loss, 0)
+      loss = total / jnp.maximum(count, 1).astype(jnp.float32)
+      g = self._unscaled(step, jnp.float32(1))
+      norm = self._window_mean(state, state.accumulator, g, kept)[1]
+      closes = state.micro_step + 1 >= self.gradient_accumulation_steps
+      judged = closes & (count > 0)
+      loss_sum = jnp.where(closes, 0, total)
+    value = jnp.stack([norm.astype(jnp.float32), loss])
+    spike = _spikes.judge(
+      window, value, judged, self.spike_sigmas, given is not None
+    )
+    finite = judged & jnp.all(jnp.isfinite(value))
+    window = _spikes.entered(window, value, finite)
+    return spike, window._replace(loss_sum=loss_sum)
 
   def _clip(self, norm: jax.Array, finite: jax.Array) -> jax.Array:
     """What clips gradients of global `norm` to `max_norm` (1 without it).

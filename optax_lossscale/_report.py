@@ -36,6 +36,18 @@ class SkipReport(NamedTuple):
       of them; the text names the first three and counts the others).
     member: the member's index in a state stacked over `vmap` members or
       `pmap` replicas (row-major over several axes); None if unbatched.
+    reason: why it was skipped: `"non-finite loss"`, `"overflow"`
+      (non-finite gradients), `"spike"` (the spike rule), or `"kept by the
+      loss scale"` (no check failed: another scale's answer).
+    spike: on a spike, per spiking quantity (`"grad_norm"`, `"loss"`), the
+      step's value, the window's mean and standard deviation, and the
+      threshold; empty otherwise.
+    largest: on a spike, the names of the leaves with the largest gradient
+      norms, largest first (at most three); empty otherwise.
+    optimizer_step: the skipped step's number in optimizer steps (under
+      accumulation, its window's); None in a record written before 0.3.
+    skipped_optimizer_steps: how many optimizer steps did not happen in
+      all (Megatron-LM's skipped iterations); None likewise.
 
   Examples:
     >>> import optax_lossscale as ols
@@ -51,14 +63,31 @@ class SkipReport(NamedTuple):
   loss_finite: bool | None
   nonfinite: tuple[str, ...]
   member: int | None = None
+  reason: str = "overflow"
+  spike: tuple[tuple[str, float, float, float, float], ...] = ()
+  largest: tuple[str, ...] = ()
+  optimizer_step: int | None = None
+  skipped_optimizer_steps: int | None = None
 
   def __str__(self) -> str:
     member = "" if self.member is None else f"member {self.member}: "
+    optimizer = ""
+    if self.optimizer_step is not None and self.optimizer_step != self.step:
+      optimizer = f" (optimizer step {self.optimizer_step})"
+    if self.reason == "spike":
+      spikes = "; ".join(
+        f"{name} {value:.4g} > {threshold:.4g} (window mean {mean:.4g},"
+        f" std {std:.4g})"
+        for name, value, mean, std, threshold in self.spike
+      )
+      cause = f"spike: {spikes}; largest gradients: {_listed(self.largest)}"
+    else:
+      cause = f"non-finite gradients: {_listed(self.nonfinite)}"
     return (
-      f"{member}skipped step {self.step} ({self.consecutive_skipped_steps} in"
-      f" a row, {self.skipped_steps} in all): loss scale {self.loss_scale:g} ->"
-      f" {self.next_loss_scale:g}; {_LOSS[self.loss_finite]}; non-finite"
-      f" gradients: {_listed(self.nonfinite)}"
+      f"{member}skipped step {self.step}{optimizer}"
+      f" ({self.consecutive_skipped_steps} in a row, {self.skipped_steps} in"
+      f" all): loss scale {self.loss_scale:g} -> {self.next_loss_scale:g};"
+      f" {_LOSS[self.loss_finite]}; {cause}"
     )
 
 
@@ -128,11 +157,28 @@ def _flagged(names: Sequence[str], flags: np.ndarray) -> tuple[str, ...]:
   return tuple(n for n, bad in zip(names, flags, strict=True) if bad)
 
 
+def _reason(record: Any, m: int) -> str:
+  """Why member `m`'s recorded step was skipped."""
+  if record.loss_given[m] and not record.loss_finite[m]:
+    return "non-finite loss"
+  if record.nonfinite[m].any():
+    return "overflow"
+  return "spike" if record.spiked[m].any() else "kept by the loss scale"
+
+
 def _report(state: Any, m: int, batched: bool) -> SkipReport | None:
   """Member `m`'s last skip, or None if its record holds none."""
   record = state.last_skip
   if record.consecutive_skipped_steps[m] == 0:
     return None
+  names, reason = record.names(), _reason(record, m)
+  quantities = ("grad_norm", "loss")
+  spike = []
+  for i in np.flatnonzero(record.spiked[m]):
+    value, mean, std, threshold = (float(x) for x in record.spike[m][i])
+    spike.append((quantities[i], value, mean, std, threshold))
+  norms = record.leaf_norms[m]
+  largest = tuple(names[i] for i in np.argsort(-norms, kind="stable")[:3])
   return SkipReport(
     step=int(record.step[m]),
     loss_scale=float(record.loss_scale[m]),
@@ -140,8 +186,13 @@ def _report(state: Any, m: int, batched: bool) -> SkipReport | None:
     skipped_steps=int(state.skipped_steps[m]),
     consecutive_skipped_steps=int(record.consecutive_skipped_steps[m]),
     loss_finite=bool(record.loss_finite[m]) if record.loss_given[m] else None,
-    nonfinite=_flagged(record.names(), record.nonfinite[m]),
+    nonfinite=_flagged(names, record.nonfinite[m]),
     member=m if batched else None,
+    reason=reason,
+    spike=tuple(spike),
+    largest=largest if reason == "spike" else (),
+    optimizer_step=int(record.optimizer_step[m]),
+    skipped_optimizer_steps=int(state.skipped_optimizer_steps[m]),
   )
 
 

@@ -80,6 +80,18 @@ class SkipRecord:
       (bool): the stop rule's advice depends on it.
     nonfinite: per leaf of the parameters, whether its unscaled gradient
       held a non-finite value (bool, one more axis), agreed across replicas.
+    spiked: whether the step was skipped as a spike of its global norm and
+      of its loss (bool, shape `(2,)`; see `LossScaleOptimizer`'s
+      `spike_sigmas`).
+    spike: for the norm and the loss (rows), the step's value, the window's
+      mean and standard deviation and the threshold (float32, `(2, 4)`);
+      zeros unless the spike rule is on.
+    leaf_norms: on a spike, per leaf, the norm of its unscaled gradient
+      (float32, one more axis): the leaves that carry the norm; zeros
+      otherwise.
+    optimizer_step: the skipped step's number in optimizer steps: under
+      accumulation, its window's (`step // gradient_accumulation_steps`);
+      `step` otherwise (int32).
     leaf_names: the leaves' names (`jax.tree_util.keystr` of their paths in
       the parameters given to `init`, without an NNX variable's `.value`),
       as UTF-8 bytes, each ended by a
@@ -95,6 +107,10 @@ class SkipRecord:
   loss_finite: jax.Array
   at_floor: jax.Array
   nonfinite: jax.Array
+  spiked: jax.Array
+  spike: jax.Array
+  leaf_norms: jax.Array
+  optimizer_step: jax.Array
   leaf_names: jax.Array
 
   @classmethod
@@ -110,6 +126,10 @@ class SkipRecord:
       loss_finite=jnp.array(True),
       at_floor=jnp.array(False),
       nonfinite=jnp.zeros((len(names),), jnp.bool_),
+      spiked=jnp.zeros((2,), jnp.bool_),
+      spike=jnp.zeros((2, 4), jnp.float32),
+      leaf_norms=jnp.zeros((len(names),), jnp.float32),
+      optimizer_step=jnp.full((), -1, jnp.int32),
       leaf_names=jnp.asarray(np.frombuffer(text, np.uint8)),
     )
 
@@ -195,6 +215,12 @@ class LossScaleOptimizerState(NamedTuple):
     accumulator: the mean of the micro-batches the open window kept, like
       the parameters, in their dtypes (overwritten leaves left out); `()`
       without accumulation.
+    skipped_optimizer_steps: how many optimizer steps did not happen
+      (int32; Megatron-LM's skipped iterations): without accumulation,
+      `skipped_steps`; with it, the windows that closed without `inner`
+      stepping.
+    spikes: the spike rule's window of recent norms and losses, a
+      `SpikeWindow`; `()` when the rule is off.
 
   A 0.1.0 checkpoint (the first five fields, and a `DynamicLossScale` of two
   leaves) restores as `docs/guides/frameworks.md` shows.
@@ -227,6 +253,8 @@ class LossScaleOptimizerState(NamedTuple):
   stepped: jax.Array
   micro_step: jax.Array
   accumulator: Any
+  skipped_optimizer_steps: jax.Array
+  spikes: Any
 
 
 def check_like(call: str, state: Any, like: Any) -> None:

@@ -59,14 +59,36 @@ def test_skip_reports_record_skipped_steps_only_and_name_the_leaves():
     state = _run(state, [step])
     reports.append(_only(state))
   # Numbered as a Python loop numbers them: the steps before each.
-  first = ols.SkipReport(1, 8.0, 4.0, 1, 1, True, ("['w']",))
-  second = ols.SkipReport(2, 4.0, 4.0, 2, 2, False, ())  # the loss: kept
+  new = {"optimizer_step": 1, "skipped_optimizer_steps": 1}
+  first = ols.SkipReport(1, 8.0, 4.0, 1, 1, True, ("['w']",), **new)
+  second = ols.SkipReport(  # the loss: kept
+    2,
+    4.0,
+    4.0,
+    2,
+    2,
+    False,
+    (),
+    reason="non-finite loss",
+    optimizer_step=2,
+    skipped_optimizer_steps=2,
+  )
   assert reports == [
     None,
     first,
     second,
     second,
-    ols.SkipReport(4, 4.0, 2.0, 3, 1, None, ("['w']",)),
+    ols.SkipReport(
+      4,
+      4.0,
+      2.0,
+      3,
+      1,
+      None,
+      ("['w']",),
+      optimizer_step=4,
+      skipped_optimizer_steps=3,
+    ),
   ]
   assert state.last_skip.names() == ("['v']", "['w']")
 
@@ -224,7 +246,15 @@ def test_the_stop_rule_raises_at_the_limit_and_only_reads_the_state(donate):
   )
   assert "lower min_loss_scale" in message and "float32" in message
   assert error.value.report == ols.SkipReport(
-    2, 1.0, 1.0, 3, 3, True, ("['w']",)
+    2,
+    1.0,
+    1.0,
+    3,
+    3,
+    True,
+    ("['w']",),
+    optimizer_step=2,
+    skipped_optimizer_steps=3,
   )
   # The monitor only reads: the state is intact, and it raises again as
   # long as the streak lasts.
@@ -243,7 +273,16 @@ def test_the_stop_rule_s_advice_for_a_nonfinite_loss_is_not_the_scale():
   assert "the loss itself was not finite, which no loss scale fixes" in message
   assert "lower min_loss_scale" not in message
   assert error.value.report == ols.SkipReport(
-    1, 8.0, 8.0, 2, 2, False, ("['w']",)
+    1,
+    8.0,
+    8.0,
+    2,
+    2,
+    False,
+    ("['w']",),
+    reason="non-finite loss",
+    optimizer_step=1,
+    skipped_optimizer_steps=2,
   )
 
 

@@ -1,0 +1,94 @@
+"""The spike rule: skip a step whose norm or loss stands far above recent ones.
+
+OLMo-core's `SkipStepOptimizer`, and Levanter's and MaxText's ports.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class SpikeWindow(NamedTuple):
+  """The recent finite steps' global norms and losses, a ring, kept in
+  `LossScaleOptimizerState.spikes`.
+
+  Attributes:
+    values: float32, shape `(2, spike_window)`: row 0 the norms, row 1 the
+      losses (0 where no loss was given).
+    written: how many values were written, less `spike_window` each time it
+      reaches twice that (int32): the window holds `min(written,
+      spike_window)` values, and the next goes to `written % spike_window`.
+    loss_sum: under accumulation, the sum of the losses of the micro-batches
+      the open window kept (float32); 0 otherwise.
+  """
+
+  values: jax.Array
+  written: jax.Array
+  loss_sum: jax.Array
+
+  @classmethod
+  def empty(cls, length: int) -> SpikeWindow:
+    """A window of `length` values that holds none."""
+    zero = jnp.zeros((), jnp.float32)
+    return cls(
+      jnp.zeros((2, length), jnp.float32), jnp.zeros((), jnp.int32), zero
+    )
+
+
+class Spike(NamedTuple):
+  """The rule's verdict on one step.
+
+  `found`: whether the step is a spike (bool). `spiked`: which of the norm
+  and the loss is (bool, shape `(2,)`). `stats`: per row (norm, loss), the
+  step's value, the window's mean and standard deviation, and the threshold
+  (float32, shape `(2, 4)`).
+  """
+
+  found: jax.Array
+  spiked: jax.Array
+  stats: jax.Array
+
+
+def judge(
+  window: SpikeWindow,
+  value: jax.Array,
+  judged: jax.Array,
+  sigmas: float,
+  loss_given: bool,
+) -> Spike:
+  """Whether `value` (the norm and the loss, float32 `(2,)`) spikes: it
+  exceeds the window's mean by more than `sigmas` sample standard
+  deviations, once the window is half full; only where `judged`. The loss
+  is judged only when given."""
+  length = window.values.shape[-1]
+  filled = jnp.minimum(window.written, length)
+  held = (jnp.arange(length) < filled).astype(jnp.float32)[None, :]
+  n = filled.astype(jnp.float32)
+  mean = (window.values * held).sum(-1) / jnp.maximum(n, 1.0)
+  spread = jnp.square((window.values - mean[:, None]) * held).sum(-1)
+  std = jnp.sqrt(spread / jnp.maximum(n - 1.0, 1.0))
+  threshold = mean + sigmas * std
+  ready = judged & (filled >= max(2, length // 2))
+  spiked = ready & (value > threshold) & jnp.array([True, loss_given])
+  stats = jnp.stack([value, mean, std, threshold], axis=-1)
+  return Spike(found=jnp.any(spiked), spiked=spiked, stats=stats)
+
+
+def entered(
+  window: SpikeWindow, value: jax.Array, finite: jax.Array
+) -> SpikeWindow:
+  """`window` with `value` (the norm and the loss) written where `finite`:
+  every finite step enters, a spike too, so that a lasting shift becomes
+  the window's mean within a window's length."""
+  length = window.values.shape[-1]
+  at = window.written % length
+  values = window.values.at[:, at].set(value)
+  written = window.written + 1
+  written = jnp.where(written >= 2 * length, written - length, written)
+  return window._replace(
+    values=jnp.where(finite, values, window.values),
+    written=jnp.where(finite, written, window.written),
+  )

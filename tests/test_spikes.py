@@ -1,0 +1,208 @@
+"""The spike rule (`spike_sigmas`): a bad batch is skipped, not applied."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+
+import optax_lossscale as ols
+
+W = 8  # a short window: judged from the 4th step on
+
+
+def _tx(**kwargs):
+  kwargs.setdefault("spike_sigmas", 6.0)
+  kwargs.setdefault("spike_window", W)
+  return ols.LossScaleOptimizer(
+    optax.sgd(1e-2, momentum=0.9),
+    kwargs.pop("loss_scale", ols.DynamicLossScale(2.0**10)),
+    **kwargs,
+  )
+
+
+def _grads(i, big=1.0, scale=2.0**10):
+  rng = np.random.default_rng(i)
+  return {
+    "b": jnp.asarray(rng.normal(size=3) * scale, jnp.float32),
+    "w": jnp.asarray(rng.normal(size=(4, 4)) * big * scale, jnp.float32),
+  }
+
+
+def _params():
+  return {"b": jnp.zeros(3), "w": jnp.ones((4, 4))}
+
+
+def _run(tx, steps, big_at=(), loss_at=(), loss=True):
+  params, state = _params(), tx.init(_params())
+  step = jax.jit(tx.apply_gradients)
+  seen = []
+  for i in range(steps):
+    g = _grads(i, 100.0 if i in big_at else 1.0)
+    value = jnp.float32(50.0 if i in loss_at else 2.0 + 0.1 * np.sin(i))
+    before = (params, state.inner_state)
+    params, state = step(g, state, params, **({"value": value} if loss else {}))
+    seen.append((before, params, state))
+  return seen
+
+
+def test_a_norm_spike_is_skipped_bit_for_bit_and_reported():
+  seen = _run(_tx(), 12, big_at=(9,))
+  (params, inner), after, state = seen[9]
+  assert not state.should_apply and not state.stepped
+  assert all(
+    np.array_equal(a, b)
+    for a, b in zip(
+      jax.tree.leaves((params, inner)),
+      jax.tree.leaves((after, state.inner_state)),
+      strict=True,
+    )
+  )
+  assert int(state.skipped_steps) == int(state.skipped_optimizer_steps) == 1
+  # the scale moves as for a finite step (no hysteresis spent)
+  assert float(state.loss_scale()) == float(seen[8][2].loss_scale())
+  (report,) = ols.skip_reports(seen[-1][2])
+  assert report.reason == "spike" and report.step == 9
+  ((name, value, mean, std, threshold),) = report.spike
+  assert name == "grad_norm" and value > threshold == pytest.approx(
+    mean + 6 * std
+  )
+  assert report.largest[0] == "['w']"
+  assert "spike: grad_norm" in str(report) and "['w']" in str(report)
+  assert all(bool(s.should_apply) for i, (_, _, s) in enumerate(seen) if i != 9)
+
+
+def test_a_loss_spike_is_skipped_and_named():
+  seen = _run(_tx(), 12, loss_at=(10,))
+  state = seen[10][2]
+  assert not state.should_apply
+  (report,) = ols.skip_reports(seen[-1][2])
+  assert [s[0] for s in report.spike] == ["loss"]
+  assert report.spike[0][1] == 50.0
+
+
+def test_nothing_is_judged_before_half_the_window():
+  seen = _run(_tx(), 6, big_at=(2,))  # 2 values in the window of 8
+  assert all(bool(s.should_apply) for _, _, s in seen)
+  assert int(seen[-1][2].spikes.written) == 6
+
+
+def test_no_spike_on_a_clean_run_and_off_by_default():
+  seen = _run(_tx(spike_window=32), 200)
+  assert int(seen[-1][2].skipped_steps) == 0
+  off = _run(_tx(spike_sigmas=None), 12, big_at=(9,))
+  assert off[-1][2].spikes == () and int(off[-1][2].skipped_steps) == 0
+
+
+def test_a_lasting_shift_is_learned_within_a_window():
+  tx = _tx()
+  params, state = _params(), tx.init(_params())
+  step = jax.jit(tx.apply_gradients)
+  applied = []
+  for i in range(40):
+    g = _grads(i, 1.0 if i < 10 else 30.0)
+    params, state = step(g, state, params)
+    applied.append(bool(state.should_apply))
+  assert not applied[10]  # the shift's first step is a spike
+  assert all(applied[10 + W :])  # within a window it is the mean
+
+
+def test_a_spiking_window_does_not_step_under_accumulation():
+  k = 2
+  tx = _tx(gradient_accumulation_steps=k)
+  params, state = _params(), tx.init(_params())
+  step = jax.jit(tx.apply_gradients)
+  for i in range(2 * 10):
+    before = (params, state.inner_state)
+    g = _grads(i, 100.0 if i == 2 * 8 else 1.0)
+    params, state = step(g, state, params, value=jnp.float32(2.0))
+    if i == 2 * 8 + 1:  # the window's end
+      assert not state.stepped and not state.should_apply
+      same = jax.tree.leaves((params, state.inner_state))
+      assert all(map(np.array_equal, jax.tree.leaves(before), same))
+  assert int(state.skipped_optimizer_steps) == 1
+  (report,) = ols.skip_reports(state)
+  assert report.reason == "spike" and report.optimizer_step == 8
+  assert report.step == 17 and "optimizer step 8" in str(report)
+
+
+def test_a_retried_outlier_is_skipped_and_the_scale_moves_as_one_overflow():
+  tx = _tx(loss_scale=ols.DynamicLossScale(2.0**12))
+  params = {"w": jnp.ones(4, jnp.float32)}
+  state = tx.init(params)
+
+  def loss_fn(p, big):  # float16 gradients: a big batch overflows at 2**12
+    h = (p["w"] * big).astype(jnp.float16)
+    return jnp.sum(h.astype(jnp.float32) ** 2) / 8
+
+  step = jax.jit(
+    lambda p, s, big: tx.minimize(loss_fn, p, s, big, max_retries=8)
+  )
+  for i in range(8):
+    _, params, state = step(params, state, jnp.float32(1.0 + 0.01 * i))
+  assert int(state.retries) == 0
+  before = params
+  _, params, state = step(params, state, jnp.float32(300.0))
+  assert int(state.retries) > 0 and not state.should_apply
+  assert np.array_equal(params["w"], before["w"])
+  assert float(state.loss_scale()) == 2.0**11  # one halving
+  assert ols.skip_reports(state)[0].reason == "spike"
+
+
+def test_vmap_members_keep_their_own_windows():
+  tx = _tx()
+  params = jax.tree.map(lambda x: jnp.stack([x, x]), _params())
+  state = jax.vmap(tx.init)(params)
+  step = jax.jit(jax.vmap(tx.apply_gradients))
+  for i in range(12):
+    g0, g1 = _grads(i, 100.0 if i == 9 else 1.0), _grads(i)
+    g = jax.tree.map(lambda a, b: jnp.stack([a, b]), g0, g1)
+    params, state = step(g, state, params)
+  assert state.skipped_steps.tolist() == [1, 0]
+  (report,) = ols.skip_reports(state)
+  assert report.member == 0 and report.reason == "spike"
+
+
+def test_one_conditional_with_the_rule_on():
+  tx = _tx(max_norm=1.0)
+  params = _params()
+  state = tx.init(params)
+  jaxpr = jax.make_jaxpr(
+    lambda g, s, p: tx.apply_gradients(g, s, p, value=jnp.float32(1))
+  )(params, state, params).jaxpr
+  conds = [e for e in jaxpr.eqns if e.primitive is lax.cond_p]
+  big = [e for e in conds if any(v.aval.size >= 16 for v in e.outvars)]
+  assert len(big) == 1  # the one around `inner`
+
+
+def test_check_state_checks_the_window():
+  state = _run(_tx(), 5)[-1][2]
+  ols.check_state(state)
+  bad = state.spikes._replace(values=state.spikes.values.at[0, 0].set(jnp.nan))
+  with pytest.raises(ValueError, match="spikes.values"):
+    ols.check_state(state._replace(spikes=bad))
+  with pytest.raises(ValueError, match="spikes.written"):
+    ols.check_state(
+      state._replace(spikes=state.spikes._replace(written=jnp.int32(16)))
+    )
+
+
+def test_a_state_without_the_window_is_refused():
+  state = _tx(spike_sigmas=None).init(_params())
+  with pytest.raises(TypeError, match="spikes"):
+    _tx().apply_gradients(_grads(0), state, _params())
+
+
+@pytest.mark.parametrize(
+  ("kwargs", "error", "match"),
+  [
+    ({"spike_sigmas": 0.0}, ValueError, "spike_sigmas"),
+    ({"spike_sigmas": "6"}, TypeError, "spike_sigmas"),
+    ({"spike_window": 2}, ValueError, "spike_window"),
+    ({"spike_window": 8.0}, TypeError, "spike_window"),
+  ],
+)
+def test_bad_arguments_are_refused(kwargs, error, match):
+  with pytest.raises(error, match=match):
+    _tx(**kwargs)
