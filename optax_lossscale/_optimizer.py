@@ -789,7 +789,9 @@ class LossScaleOptimizer:
     def apply(params: Any, inner: Any, acc: Any, wrote: Any) -> Any:
       g, norm = unscaled(), verdict.norm
       if accumulating:  # the window's mean, its norm, its clip
-        g, norm, finite = self._window_mean(state, acc, g, should_apply)
+        g, norm = self._window_mean(state, acc, g, should_apply)
+        flags = _numerics.finite_flags(leaves(g))
+        finite = jnp.all(_numerics.agree(flags, self.axis_name))
         g = multiply_floats(g, self._clip(norm, finite))
         acc = optax.tree.zeros_like(acc)
       trained = without_overwritten(step.overwritten, params)
@@ -811,16 +813,11 @@ class LossScaleOptimizer:
 
   def _window_mean(
     self, state: State, acc: Any, g: Any, kept: jax.Array
-  ) -> tuple[Any, jax.Array, jax.Array]:
-    """The window's mean gradient with `g` if `kept`, its global norm, and
-    whether it is finite."""
+  ) -> tuple[Any, jax.Array]:
+    """The window's mean gradient with `g` if `kept`, and its global norm."""
     mean = self._mean(state, acc, g, kept)
-    flat = leaves(mean)
-    norm = _numerics.root(
-      _numerics.squares(_numerics.pieces(flat), self.axis_name)[0]
-    )
-    flags = _numerics.agree(_numerics.finite_flags(flat), self.axis_name)
-    return mean, norm, jnp.all(flags)
+    pieces = _numerics.pieces(leaves(mean))
+    return mean, _numerics.root(_numerics.squares(pieces, self.axis_name)[0])
 
   def _spike(
     self, step: _Step, should_apply: jax.Array, held: jax.Array | None
@@ -851,11 +848,12 @@ class LossScaleOptimizer:
       judged = closes & (count > 0)
       loss_sum = jnp.where(closes, 0, total)
     value = jnp.stack([norm.astype(jnp.float32), loss])
+    # Only finite values: `skip_nonfinite=False` applies the others.
+    judged &= jnp.all(jnp.isfinite(value))
     spike = _spikes.judge(
       window, value, judged, self.spike_sigmas, given is not None
     )
-    finite = judged & jnp.all(jnp.isfinite(value))
-    window = _spikes.entered(window, value, finite)
+    window = _spikes.entered(window, value, judged)
     return spike, window._replace(loss_sum=loss_sum)
 
   def _clip(self, norm: jax.Array, finite: jax.Array) -> jax.Array:

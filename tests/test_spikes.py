@@ -1,6 +1,7 @@
 """The spike rule (`spike_sigmas`): a bad batch is skipped, not applied."""
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -164,16 +165,40 @@ def test_vmap_members_keep_their_own_windows():
   assert report.member == 0 and report.reason == "spike"
 
 
-def test_one_conditional_with_the_rule_on():
-  tx = _tx(max_norm=1.0)
-  params = _params()
+def _inner_eqns(eqn):
+  for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+    for e in sub.eqns:
+      yield e
+      yield from _inner_eqns(e)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_one_conditional_and_one_read_with_the_rule_on(k):
+  tx = _tx(max_norm=1.0, gradient_accumulation_steps=k)
+  params = {"w": jnp.ones((100, 100)), "v": jnp.ones(5000)}
   state = tx.init(params)
   jaxpr = jax.make_jaxpr(
     lambda g, s, p: tx.apply_gradients(g, s, p, value=jnp.float32(1))
   )(params, state, params).jaxpr
   conds = [e for e in jaxpr.eqns if e.primitive is lax.cond_p]
-  big = [e for e in conds if any(v.aval.size >= 16 for v in e.outvars)]
+  big = [e for e in conds if any(v.aval.size >= 5000 for v in e.outvars)]
   assert len(big) == 1  # the one around `inner`
+  reductions = (
+    lax.reduce_sum_p,
+    lax.reduce_max_p,
+    lax.reduce_and_p,
+    lax.reduce_p,
+  )
+  read = sum(
+    e.invars[0].aval.size
+    for top in jaxpr.eqns
+    if top.primitive is not lax.cond_p
+    for e in [top, *_inner_eqns(top)]
+    if e.primitive in reductions and e.invars[0].aval.size > 100
+  )
+  # Without accumulation the gradients are read once; with it, the rule
+  # also reads the window's mean (the accumulator with the micro-batch).
+  assert read == 15000 * k
 
 
 def test_check_state_checks_the_window():
@@ -206,3 +231,36 @@ def test_a_state_without_the_window_is_refused():
 def test_bad_arguments_are_refused(kwargs, error, match):
   with pytest.raises(error, match=match):
     _tx(**kwargs)
+
+
+def test_the_window_is_the_last_values_after_it_wraps():
+  tx = _tx(spike_sigmas=1e6)  # judges, never skips
+  params, state = _params(), tx.init(_params())
+  step = jax.jit(tx.apply_gradients)
+  norms, losses = [], []
+  for i in range(3 * W + 3):
+    loss = jnp.float32(-1.0 - i)  # negative losses are losses too
+    params, state = step(_grads(i), state, params, value=loss)
+    norms.append(float(state.grad_norm))
+    losses.append(float(loss))
+  window = state.spikes
+  assert 0 <= int(window.written) < 2 * W
+  held = np.sort(np.asarray(window.values), axis=-1)
+  want = np.sort(np.array([norms[-W:], losses[-W:]], np.float32), axis=-1)
+  np.testing.assert_allclose(held, want, rtol=1e-6)
+  spike = state.last_skip.spike  # no skip: the record is empty
+  assert not np.any(spike)
+
+
+def test_without_skip_nonfinite_a_nonfinite_step_is_applied_not_judged():
+  tx = _tx(loss_scale=ols.FixedLossScale(1.0), skip_nonfinite=False)
+  params, state = _params(), tx.init(_params())
+  step = jax.jit(tx.apply_gradients)
+  for i in range(6):
+    params, state = step(_grads(i, scale=1.0), state, params)
+  written = int(state.spikes.written)
+  g = _grads(6, scale=1.0)
+  g["w"] = g["w"].at[0, 0].set(jnp.inf)
+  params, state = step(g, state, params)
+  assert state.should_apply and int(state.skipped_steps) == 0  # TensorFlow's
+  assert int(state.spikes.written) == written  # an inf enters no window
