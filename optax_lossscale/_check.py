@@ -134,7 +134,8 @@ def _check_spikes(window: Any, path: str, shape: Any) -> None:
     got = _validation.describe(window)
     raise TypeError(f"`{path}` must be a SpikeWindow or (), got {got}.")
   length = np.shape(_array(window.values))[-1]
-  finite = (-np.inf, np.inf)
+  big = float(np.finfo(np.float32).max)
+  finite = (-big, big)
   _check(f"`{path}.values`", window.values, np.float32, shape, finite, axes=2)
   _check(
     f"`{path}.written`", window.written, np.int32, shape, (0, 2 * length - 1)
@@ -203,7 +204,9 @@ def check_state(tree: T) -> T:
   - every array has the leading shape of its state's `should_apply`;
   - scales are finite and positive, counters non-negative,
     `consecutive_skipped_steps <= skipped_steps`, `accumulated <=
-    micro_step`, and the accumulator holds no NaN.
+    micro_step`, and the accumulator holds no NaN;
+  - the spike rule's window (`spikes`) holds finite values and a count below
+    twice its length.
 
   Unflattening a state (what a restore does) checks none of it, so that it
   stays cheap under `jit`. A `DynamicLossScale`'s state is valid under any

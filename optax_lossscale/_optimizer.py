@@ -256,7 +256,8 @@ class LossScaleOptimizer:
       under accumulation at a window's end by its mean. None (the default)
       judges nothing.
     spike_window: how many recent finite steps the spike rule compares
-      with (at least 4).
+      with (under accumulation, windows), at least 4; None is 128
+      (OLMo-core's). Only with `spike_sigmas`.
 
   Raises:
     TypeError: if an argument has the wrong type, or `inner` is an
@@ -301,7 +302,7 @@ class LossScaleOptimizer:
     overwrite_with_gradient: Any = None,
     gradient_accumulation_steps: int = 1,
     spike_sigmas: float | None = None,
-    spike_window: int = 128,
+    spike_window: int | None = None,
   ) -> None:
     call = "LossScaleOptimizer"
     if isinstance(inner, optax.MultiSteps):  # its other forms: in `init`
@@ -340,9 +341,18 @@ class LossScaleOptimizer:
         raise ValueError(
           f"`{call}(spike_sigmas=...)` must be positive, got {spike_sigmas}."
         )
+    elif spike_window is not None:
+      raise ValueError(
+        f"`{call}(spike_window={spike_window!r})` is the spike rule's: set"
+        " `spike_sigmas` too (6.0 is OLMo-core's)."
+      )
     self.spike_sigmas = spike_sigmas
     self.spike_window = _validation.integer(
-      call, "spike_window", spike_window, minimum=4
+      call,
+      "spike_window",
+      128 if spike_window is None else spike_window,
+      minimum=4,
+      maximum=2**29,
     )
     # What every state's own leaves are (outside any trace: under
     # `shard_map`, the loss scale's arrays could not be closed over).
@@ -488,7 +498,8 @@ class LossScaleOptimizer:
     as `value=`. With `max_retries=k > 0`, a batch whose loss is finite but
     whose gradients are not is recomputed at `LossScale.lowered()` scales,
     up to `k` times, inside the same compiled step, until its gradients are
-    finite; the batch is then applied. A recomputed batch is applied at the
+    finite; the batch is then applied, unless the spike rule
+    (`spike_sigmas`) finds it an outlier. A recomputed batch is applied at the
     scale it fit at, and the loss scale moves exactly as it would for one
     overflowed step without retries (hysteresis included): retries save the
     batch, they never change the scale's course. `fun` is traced once; each
@@ -618,7 +629,9 @@ class LossScaleOptimizer:
       inner_state=inner,
       retries=state.retries + retries,
       last_nonfinite_write=wrote,
-      grad_norm=norm.astype(jnp.float32),
+      grad_norm=jnp.where(
+        spike.found, spike.stats[0, 0], norm.astype(jnp.float32)
+      ),
       accumulated=window.accumulated,
       stepped=window.stepped,
       micro_step=window.micro_step,
@@ -647,7 +660,7 @@ class LossScaleOptimizer:
   ) -> _Step:
     """Checks a step's inputs; reads the gradients outside the retry loop."""
     _inputs.check_inputs(call, grads, state, params, self._dtypes)
-    self._check_accumulator(call, state)
+    self._check_shaped(call, state)
     overwritten = self._overwritten(call, grads)
     if params is None and any(jax.tree.leaves(overwritten)):
       raise ValueError(f"`{call}(params=None)`: overwritten leaves need them.")
@@ -700,17 +713,26 @@ class LossScaleOptimizer:
         " gives: another optimizer's, or the parameters' containers changed."
       ) from error
 
-  def _check_accumulator(self, call: str, state: State) -> None:
-    """Raises a `TypeError` if `state` holds an accumulator where this
-    optimizer keeps none, or none where it keeps one."""
+  def _check_shaped(self, call: str, state: State) -> None:
+    """Raises a `TypeError` if the state's accumulator or spike window is
+    not of this optimizer's settings (they shape those fields)."""
+    k, sigmas = self.gradient_accumulation_steps, self.spike_sigmas
     empty = isinstance(state.accumulator, tuple) and not state.accumulator
-    if empty == (self.gradient_accumulation_steps > 1):
-      raise TypeError(
-        f"`{call}`: the state's `accumulator` is of an optimizer"
-        f" {'without' if empty else 'with'} accumulation, and this one has"
-        f" gradient_accumulation_steps={self.gradient_accumulation_steps}:"
-        " take the state from this optimizer's `init`."
-      )
+    spikes = getattr(state.spikes, "values", None)
+    length = None if spikes is None else spikes.shape[-1]
+    if empty == (k > 1):
+      field, setting = "accumulator", f"gradient_accumulation_steps={k}"
+    elif length != (None if sigmas is None else self.spike_window):
+      field = "spikes"
+      setting = f"spike_sigmas={sigmas}, spike_window={self.spike_window}"
+    else:
+      return
+    raise TypeError(
+      f"`{call}`: the state's `{field}` is of an optimizer of other settings"
+      f" than this one's ({setting}): take the state from this optimizer's"
+      " `init` (docs/guides/bad_batches.md: turning the rule on in a resumed"
+      " run)."
+    )
 
   def _window(
     self,

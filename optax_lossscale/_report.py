@@ -205,6 +205,10 @@ _FIXES = {
   " lower initial_loss_scale or allow more skips; if steps overflow at every"
   " scale, check the inputs and the learning rate, or compute the layers"
   " named above in float32.",
+  "spike": "Likely fix: a lasting shift becomes the window's mean within"
+  " spike_window steps, so a longer run of spikes is a run that diverges or"
+  " data that changed: check the learning rate and the batches, or raise"
+  " spike_sigmas.",
   "floor": "check the inputs and the learning rate (a diverging run"
   " overflows at any scale); or lower min_loss_scale; or compute the layers"
   " named above in float32.",
@@ -239,6 +243,10 @@ def _stop_message(state: Any, m: int, limit: int, batched: bool) -> str:
   )
   if report is None:
     return f"{head} The state holds no record of the skipped steps."
+  if report.reason == "spike":
+    return (
+      f"{head} The last skipped step was a spike: {report}. {_FIXES['spike']}"
+    )
   at_floor = bool(state.last_skip.at_floor[m])
   where = "at its floor (min_loss_scale)" if at_floor else "above its floor"
   what = (

@@ -172,8 +172,11 @@ class WriteRecord:
 class LossScaleOptimizerState(NamedTuple):
   """The state of `LossScaleOptimizer`.
 
-  Its leaves are the same whatever the hyperparameters, so a checkpoint
-  restores into the state of an optimizer configured otherwise.
+  Its leaves are the same whatever the loss scale's hyperparameters, so a
+  checkpoint restores into the state of an optimizer configured otherwise;
+  `gradient_accumulation_steps` and the spike rule's settings shape
+  `accumulator` and `spikes` (`docs/guides/bad_batches.md` changes them in
+  a resumed run).
 
   Attributes:
     loss_scale: the loss scale for the next step.
@@ -270,10 +273,14 @@ def check_like(call: str, state: Any, like: Any) -> None:
       f"`{call}` takes the {type(like).__name__} that `init` returned, got"
       f" {_validation.describe(state)}."
     )
-  own = {"inner_state": None, "accumulator": ()}
+  # Shaped by `inner`, the parameters or the settings: checked elsewhere.
+  own = {"inner_state": None, "accumulator": (), "spikes": ()}
   inner = {k: v for k, v in own.items() if k in state._fields}
   leaves = jax.tree_util.tree_leaves_with_path
-  want = {jax.tree_util.keystr(p): x.dtype for p, x in leaves(like)}
+  want = {
+    jax.tree_util.keystr(p): x.dtype
+    for p, x in leaves(like._replace(**{k: own[k] for k in inner}))
+  }
   got = {jax.tree_util.keystr(p): x for p, x in leaves(state._replace(**inner))}
   if got.keys() != want.keys():
     raise TypeError(

@@ -46,14 +46,16 @@ def scalar(call: str, name: str, value: Any) -> float:
   return result
 
 
-def integer(call: str, name: str, value: Any, *, minimum: int) -> int:
-  """`value` as a Python int in `[minimum, int32's maximum]`, or raises."""
+def integer(
+  call: str, name: str, value: Any, *, minimum: int, maximum: int = INT32_MAX
+) -> int:
+  """`value` as a Python int in `[minimum, maximum]`, or raises."""
   where = f"`{call}({name}=...)`"
   if isinstance(value, bool) or not isinstance(value, numbers.Integral):
     raise TypeError(f"{where} must be an int, got {describe(value)}.")
-  if not minimum <= int(value) <= INT32_MAX:
+  if not minimum <= int(value) <= maximum:
     raise ValueError(
-      f"{where} must be an int in [{minimum}, {INT32_MAX}], got {value}."
+      f"{where} must be an int in [{minimum}, {maximum}], got {value}."
     )
   return int(value)
 

@@ -15,7 +15,8 @@ W = 8  # a short window: judged from the 4th step on
 
 def _tx(**kwargs):
   kwargs.setdefault("spike_sigmas", 6.0)
-  kwargs.setdefault("spike_window", W)
+  if kwargs["spike_sigmas"] is not None:
+    kwargs.setdefault("spike_window", W)
   return ols.LossScaleOptimizer(
     optax.sgd(1e-2, momentum=0.9),
     kwargs.pop("loss_scale", ols.DynamicLossScale(2.0**10)),
@@ -120,11 +121,13 @@ def test_a_spiking_window_does_not_step_under_accumulation():
     params, state = step(g, state, params, value=jnp.float32(2.0))
     if i == 2 * 8 + 1:  # the window's end
       assert not state.stepped and not state.should_apply
+      assert float(state.grad_norm) == float(state.last_skip.spike[0, 0])
       same = jax.tree.leaves((params, state.inner_state))
       assert all(map(np.array_equal, jax.tree.leaves(before), same))
   assert int(state.skipped_optimizer_steps) == 1
   (report,) = ols.skip_reports(state)
   assert report.reason == "spike" and report.optimizer_step == 8
+  assert float(state.last_skip.spike[0, 0]) > 10  # the window's norm judged
   assert report.step == 17 and "optimizer step 8" in str(report)
 
 
@@ -213,10 +216,28 @@ def test_check_state_checks_the_window():
     )
 
 
-def test_a_state_without_the_window_is_refused():
-  state = _tx(spike_sigmas=None).init(_params())
-  with pytest.raises(TypeError, match="spikes"):
+@pytest.mark.parametrize(
+  "other", [{"spike_sigmas": None}, {"spike_window": 2 * W}]
+)
+def test_a_state_of_other_settings_is_refused_by_name(other):
+  state = _tx(**other).init(_params())
+  with pytest.raises(TypeError, match="spikes.*spike_window=8"):
     _tx().apply_gradients(_grads(0), state, _params())
+  with pytest.raises(TypeError, match="spikes"):
+    _tx(**other).apply_gradients(_grads(0), _tx().init(_params()), _params())
+
+
+def test_a_run_of_spikes_stops_with_the_spike_advice():
+  tx = _tx()
+  params, state = _params(), tx.init(_params())
+  step = jax.jit(tx.apply_gradients)
+  for i, big in enumerate([1.0] * 9 + [1e2, 1e4, 1e6]):  # each far above
+    params, state = step(_grads(i, big), state, params)
+  assert int(state.consecutive_skipped_steps) == 3
+  with pytest.raises(ols.ConsecutiveSkipsError, match="was a spike") as error:
+    ols.SkipMonitor(max_consecutive_skips=3, log=None)(state)
+  assert "raise spike_sigmas" in str(error.value)
+  assert "min_loss_scale" not in str(error.value)
 
 
 @pytest.mark.parametrize(
@@ -226,6 +247,7 @@ def test_a_state_without_the_window_is_refused():
     ({"spike_sigmas": "6"}, TypeError, "spike_sigmas"),
     ({"spike_window": 2}, ValueError, "spike_window"),
     ({"spike_window": 8.0}, TypeError, "spike_window"),
+    ({"spike_sigmas": None, "spike_window": 64}, ValueError, "spike_sigmas"),
   ],
 )
 def test_bad_arguments_are_refused(kwargs, error, match):
