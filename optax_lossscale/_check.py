@@ -19,6 +19,7 @@ T = TypeVar("T")
 # The int32 counters, `skipped_steps` and `consecutive_skipped_steps` first.
 _COUNTERS = (
   "skipped_steps",
+  "skipped_optimizer_steps",
   "consecutive_skipped_steps",
   "nonfinite_loss_steps",
   "retries",
@@ -137,6 +138,9 @@ def _check_spikes(window: Any, path: str, shape: Any) -> None:
   big = float(np.finfo(np.float32).max)
   finite = (-big, big)
   _check(f"`{path}.values`", window.values, np.float32, shape, finite, axes=2)
+  _check(f"`{path}.loss_given`", window.loss_given, np.bool_, shape, axes=1)
+  if np.shape(_array(window.values))[-2:-1] != (2,):
+    raise ValueError(f"`{path}.values` must have 2 rows (norms, losses).")
   _check(
     f"`{path}.written`", window.written, np.int32, shape, (0, 2 * length - 1)
   )
@@ -161,7 +165,7 @@ def _check_records(
     for name, want in vars(empty).items():  # `want`'s axes: per leaf, ...
       where = f"`{path}.{field}.{name}`"
       valid: tuple[float, float] = (-1 if name.endswith("step") else 0, np.inf)
-      valid = (-np.inf, np.inf) if name == "spike" else valid  # a loss, < 0
+      valid = (-np.inf, np.inf) if name == "spike_stats" else valid  # a loss
       value = getattr(record, name)
       _check(where, value, want.dtype, shape, valid, axes=want.ndim)
     raw = _validation.host_values(_array(state.last_skip.leaf_names))

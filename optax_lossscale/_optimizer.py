@@ -48,6 +48,15 @@ class _Step(NamedTuple):
   attempt: _retry.Attempt  # the scale and the verdict of its gradients
 
 
+class _SpikeRecord(NamedTuple):
+  """What a step's skip record says of the spike rule: its verdict, each
+  leaf's norm on a spike, and the step's number in optimizer steps."""
+
+  verdict: _spikes.Spike
+  leaf_norms: jax.Array
+  optimizer_step: jax.Array
+
+
 class _Window(NamedTuple):
   """Where a call falls in its accumulation window, and the branch it takes:
   0 skips, 1 steps (with accumulation: 1 accumulates, 2 steps)."""
@@ -109,25 +118,12 @@ def _write_record(state: State, params: Any, axis_name: Any) -> WriteRecord:
   return tree_where(jnp.all(finite) | (applied < 0), last, new)  # type: ignore[no-any-return]
 
 
-def _leaf_norms(step: _Step, unscaled: Any) -> jax.Array:
-  """Each gradient leaf's norm, unscaled (0 for an overwritten or a None
-  leaf), float32: read in a skipped step's branch only."""
-  marks = leaves(step.overwritten)
-  norms = [
-    jnp.zeros((), jnp.float32)
-    if x is None or mark or not _numerics.is_float(x)
-    else jnp.sqrt(jnp.sum(jnp.square(jnp.abs(x).astype(jnp.float32))))
-    for x, mark in zip(leaves(unscaled), marks, strict=True)
-  ]
-  return jnp.stack(norms) if norms else jnp.zeros((0,), jnp.float32)
-
-
 def _counted(
   step: _Step,
   loss_scale: LossScale,
   should_apply: Any,
   dropped: Any,
-  spike: tuple[_spikes.Spike, jax.Array, jax.Array],
+  spike: _SpikeRecord,
 ) -> State:
   """The state's loss scale, counters and skip record after a step;
   `dropped` whether the step is recorded as skipped (not held for a retry);
@@ -155,10 +151,10 @@ def _counted(
     loss_finite=jnp.array(True) if loss_finite is None else loss_finite,
     at_floor=jnp.array(True) if lowered is None else lowered() >= tried(),
     nonfinite=~verdict.flags[:slots],
-    spiked=spike[0].spiked,
-    spike=spike[0].stats,
-    leaf_norms=spike[1],
-    optimizer_step=spike[2],
+    spiked=spike.verdict.spiked,
+    spike_stats=jnp.where(spike.verdict.found, spike.verdict.stats, 0),
+    leaf_norms=spike.leaf_norms,
+    optimizer_step=spike.optimizer_step,
   )
   loss_failed = False if loss_finite is None else ~loss_finite
   return state._replace(
@@ -624,7 +620,7 @@ class LossScaleOptimizer:
     dropped = ~should_apply if held is None else ~should_apply & ~held
     retries = 0 if attempt.retries is None else attempt.retries
     k = self.gradient_accumulation_steps
-    record = (spike, norms, state.steps // k)
+    record = _SpikeRecord(spike, norms, optimizer_step=state.steps // k)
     new = _counted(step, loss_scale, should_apply, dropped, record)._replace(
       inner_state=inner,
       retries=state.retries + retries,
@@ -788,7 +784,11 @@ class LossScaleOptimizer:
       if accumulating
       else self._clip(verdict.norm, verdict.grads_finite)
     )
-    unscaled = lambda: self._unscaled(step, clip)  # noqa: E731
+    base, twos = reciprocal(step.attempt.loss_scale())
+    factor = clip * base.astype(clip.dtype)  # float64 with a float64 norm
+    unscaled = lambda f=factor: without_overwritten(  # noqa: E731
+      step.overwritten, multiply_floats(step.grads, f, twos)
+    )
     given = state.accumulator if accumulating else unscaled()
     output, update = self._inner_update(step, given)
     slots = state.last_skip.nonfinite.shape[-1]  # none after `init(None)`
@@ -799,8 +799,10 @@ class LossScaleOptimizer:
       new = new if held is None else tree_where(held, wrote, new)
       norms = none
       if self.spike_sigmas is not None:  # the leaves that carry a spike
-        norms = _leaf_norms(step, self._unscaled(step, None))[:slots]
-        norms = jnp.where(spike.found, norms, none)
+        g = unscaled(base)
+        if accumulating:  # the window's
+          g = self._mean(state, acc, g, should_apply)
+        norms = jnp.where(spike.found, self._leaf_norms(g)[:slots], none)
       return output(params, None, False), inner, acc, new, verdict.norm, norms
 
     def accumulate(params: Any, inner: Any, acc: Any, wrote: Any) -> Any:
@@ -823,15 +825,20 @@ class LossScaleOptimizer:
 
     return [skip, accumulate, apply] if accumulating else [skip, apply]
 
-  def _unscaled(self, step: _Step, clip: jax.Array | None) -> Any:
-    """The step's gradients unscaled and, by `clip`, clipped; overwritten
-    leaves left out unless `clip` is None (each leaf in its place)."""
-    factor, twos = reciprocal(step.attempt.loss_scale())
-    if clip is None:
-      return multiply_floats(step.grads, factor, twos)
-    factor = clip * factor.astype(clip.dtype)  # float64 with a float64 norm
-    grads = multiply_floats(step.grads, factor, twos)
-    return without_overwritten(step.overwritten, grads)
+  def _leaf_norms(self, tree: Any) -> jax.Array:
+    """Each leaf's norm, float32 (0 for a None or an overwritten leaf, an
+    `optax.MaskedNode`), summed across `axis_name` where it varies: read in
+    a skipped step's branch only."""
+    masked = lambda x: x is None or isinstance(x, optax.MaskedNode)  # noqa: E731
+    norms = [
+      jnp.zeros((), jnp.float32)
+      if masked(x)
+      else _numerics.root(
+        _numerics.squares(_numerics.pieces([x]), self.axis_name)[0]
+      ).astype(jnp.float32)
+      for x in jax.tree.leaves(tree, is_leaf=masked)
+    ]
+    return jnp.stack(norms) if norms else jnp.zeros((0,), jnp.float32)
 
   def _window_mean(
     self, state: State, acc: Any, g: Any, kept: jax.Array
@@ -853,7 +860,8 @@ class LossScaleOptimizer:
     state = step.state
     if self.spike_sigmas is None:
       off = jnp.zeros((2,), jnp.bool_)
-      return _spikes.Spike(jnp.array(False), off, jnp.zeros((2, 4))), ()
+      stats = jnp.zeros((2, 4), jnp.float32)
+      return _spikes.Spike(found=jnp.array(False), spiked=off, stats=stats), ()
     window, norm = state.spikes, step.attempt.verdict.norm
     given = step.extra_args.get("value")
     loss = jnp.zeros(()) if given is None else jnp.mean(given)
@@ -864,7 +872,9 @@ class LossScaleOptimizer:
       count = state.accumulated + kept.astype(jnp.int32)
       total = loss_sum + jnp.where(kept, loss, 0)
       loss = total / jnp.maximum(count, 1).astype(jnp.float32)
-      g = self._unscaled(step, jnp.float32(1))
+      factor, twos = reciprocal(step.attempt.loss_scale())
+      g = multiply_floats(step.grads, factor, twos)
+      g = without_overwritten(step.overwritten, g)
       norm = self._window_mean(state, state.accumulator, g, kept)[1]
       closes = state.micro_step + 1 >= self.gradient_accumulation_steps
       judged = closes & (count > 0)
@@ -875,7 +885,7 @@ class LossScaleOptimizer:
     spike = _spikes.judge(
       window, value, judged, self.spike_sigmas, given is not None
     )
-    window = _spikes.entered(window, value, judged)
+    window = _spikes.entered(window, value, judged, given is not None)
     return spike, window._replace(loss_sum=loss_sum)
 
   def _clip(self, norm: jax.Array, finite: jax.Array) -> jax.Array:
@@ -891,11 +901,13 @@ class LossScaleOptimizer:
     """The window's mean with `g` if it is `kept`: `optax.MultiSteps`'
     running mean, in the accumulator's dtypes."""
     n = (state.accumulated + 1).astype
+    first = state.accumulated == 0  # the accumulator may hold a past window
 
     def add(u: jax.Array | None, a: jax.Array) -> jax.Array:
       if u is None:  # no gradient: nothing to add
         return a
-      return jnp.where(kept, a + (u.astype(a.dtype) - a) / n(a.dtype), a)
+      u = u.astype(a.dtype)
+      return jnp.where(kept, jnp.where(first, u, a + (u - a) / n(a.dtype)), a)
 
     return jax.tree.map(add, g, acc, is_leaf=lambda x: x is None)
 

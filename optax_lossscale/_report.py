@@ -36,16 +36,18 @@ class SkipReport(NamedTuple):
       of them; the text names the first three and counts the others).
     member: the member's index in a state stacked over `vmap` members or
       `pmap` replicas (row-major over several axes); None if unbatched.
-    reason: why it was skipped: `"non-finite loss"`, `"overflow"`
-      (non-finite gradients), `"spike"` (the spike rule), or `"kept by the
-      loss scale"` (no check failed: another scale's answer).
+    reason: why it was skipped, the first that holds of `"non-finite
+      loss"`, `"overflow"` (non-finite gradients), `"spike"` (the spike
+      rule; under accumulation a window that spiked may also end on an
+      overflowed micro-batch: the text then gives both), or `"kept by the
+      loss scale"` (no check failed: a custom loss scale's answer).
     spike: on a spike, per spiking quantity (`"grad_norm"`, `"loss"`), the
       step's value, the window's mean and standard deviation, and the
       threshold; empty otherwise.
     largest: on a spike, the names of the leaves with the largest gradient
       norms, largest first (at most three); empty otherwise.
     optimizer_step: the skipped step's number in optimizer steps (under
-      accumulation, its window's); None in a record written before 0.3.
+      accumulation, its window's); None where a report is built by hand.
     skipped_optimizer_steps: how many optimizer steps did not happen in
       all (Megatron-LM's skipped iterations); None likewise.
 
@@ -74,15 +76,16 @@ class SkipReport(NamedTuple):
     optimizer = ""
     if self.optimizer_step is not None and self.optimizer_step != self.step:
       optimizer = f" (optimizer step {self.optimizer_step})"
-    if self.reason == "spike":
+    cause = f"non-finite gradients: {_listed(self.nonfinite)}"
+    if self.spike:  # under accumulation, beside an overflowed last one
       spikes = "; ".join(
         f"{name} {value:.4g} > {threshold:.4g} (window mean {mean:.4g},"
         f" std {std:.4g})"
         for name, value, mean, std, threshold in self.spike
       )
-      cause = f"spike: {spikes}; largest gradients: {_listed(self.largest)}"
-    else:
-      cause = f"non-finite gradients: {_listed(self.nonfinite)}"
+      largest = f"largest gradients: {_listed(self.largest)}"
+      spiked = f"spike: {spikes}; {largest}"
+      cause = spiked if self.reason == "spike" else f"{cause}; {spiked}"
     return (
       f"{member}skipped step {self.step}{optimizer}"
       f" ({self.consecutive_skipped_steps} in a row, {self.skipped_steps} in"
@@ -175,10 +178,11 @@ def _report(state: Any, m: int, batched: bool) -> SkipReport | None:
   quantities = ("grad_norm", "loss")
   spike = []
   for i in np.flatnonzero(record.spiked[m]):
-    value, mean, std, threshold = (float(x) for x in record.spike[m][i])
+    value, mean, std, threshold = (float(x) for x in record.spike_stats[m][i])
     spike.append((quantities[i], value, mean, std, threshold))
   norms = record.leaf_norms[m]
-  largest = tuple(names[i] for i in np.argsort(-norms, kind="stable")[:3])
+  order = [i for i in np.argsort(-norms, kind="stable")[:3] if norms[i] > 0]
+  largest = tuple(names[i] for i in order)
   return SkipReport(
     step=int(record.step[m]),
     loss_scale=float(record.loss_scale[m]),
@@ -190,7 +194,7 @@ def _report(state: Any, m: int, batched: bool) -> SkipReport | None:
     member=m if batched else None,
     reason=reason,
     spike=tuple(spike),
-    largest=largest if reason == "spike" else (),
+    largest=largest,
     optimizer_step=int(record.optimizer_step[m]),
     skipped_optimizer_steps=int(state.skipped_optimizer_steps[m]),
   )

@@ -18,6 +18,8 @@ class SpikeWindow(NamedTuple):
   Attributes:
     values: float32, shape `(2, spike_window)`: row 0 the norms, row 1 the
       losses (0 where no loss was given).
+    loss_given: per slot, whether its step was given a loss (bool): the
+      loss row's statistics read only those.
     written: how many values were written, less `spike_window` each time it
       reaches twice that (int32): the window holds `min(written,
       spike_window)` values, and the next goes to `written % spike_window`.
@@ -26,15 +28,18 @@ class SpikeWindow(NamedTuple):
   """
 
   values: jax.Array
+  loss_given: jax.Array
   written: jax.Array
   loss_sum: jax.Array
 
   @classmethod
   def empty(cls, length: int) -> SpikeWindow:
     """A window of `length` values that holds none."""
-    zero = jnp.zeros((), jnp.float32)
     return cls(
-      jnp.zeros((2, length), jnp.float32), jnp.zeros((), jnp.int32), zero
+      values=jnp.zeros((2, length), jnp.float32),
+      loss_given=jnp.zeros((length,), jnp.bool_),
+      written=jnp.zeros((), jnp.int32),
+      loss_sum=jnp.zeros((), jnp.float32),
     )
 
 
@@ -61,34 +66,38 @@ def judge(
 ) -> Spike:
   """Whether `value` (the norm and the loss, float32 `(2,)`) spikes: it
   exceeds the window's mean by more than `sigmas` sample standard
-  deviations, once the window is half full; only where `judged`. The loss
-  is judged only when given."""
+  deviations (at least a millionth of the mean, so that a constant window
+  does not skip a rounding error), once half the window holds values; only
+  where `judged`. The loss is judged only when given, against the losses
+  given."""
   length = window.values.shape[-1]
-  filled = jnp.minimum(window.written, length)
-  held = (jnp.arange(length) < filled).astype(jnp.float32)[None, :]
-  n = filled.astype(jnp.float32)
+  filled = jnp.arange(length) < jnp.minimum(window.written, length)
+  held = jnp.stack([filled, filled & window.loss_given]).astype(jnp.float32)
+  n = held.sum(-1)
   mean = (window.values * held).sum(-1) / jnp.maximum(n, 1.0)
   spread = jnp.square((window.values - mean[:, None]) * held).sum(-1)
   std = jnp.sqrt(spread / jnp.maximum(n - 1.0, 1.0))
-  threshold = mean + sigmas * std
-  ready = judged & (filled >= max(2, length // 2))
-  spiked = ready & (value > threshold) & jnp.array([True, loss_given])
+  threshold = mean + sigmas * jnp.maximum(std, 1e-6 * jnp.abs(mean))
+  ready = judged & (n >= length // 2) & jnp.array([True, loss_given])
+  spiked = ready & (value > threshold)
   stats = jnp.stack([value, mean, std, threshold], axis=-1)
   return Spike(found=jnp.any(spiked), spiked=spiked, stats=stats)
 
 
 def entered(
-  window: SpikeWindow, value: jax.Array, finite: jax.Array
+  window: SpikeWindow, value: jax.Array, finite: jax.Array, loss_given: bool
 ) -> SpikeWindow:
   """`window` with `value` (the norm and the loss) written where `finite`:
   every finite step enters, a spike too, so that a lasting shift becomes
   the window's mean within a window's length."""
   length = window.values.shape[-1]
   at = window.written % length
-  values = window.values.at[:, at].set(value)
   written = window.written + 1
   written = jnp.where(written >= 2 * length, written - length, written)
   return window._replace(
-    values=jnp.where(finite, values, window.values),
+    values=jnp.where(finite, window.values.at[:, at].set(value), window.values),
+    loss_given=jnp.where(
+      finite, window.loss_given.at[at].set(loss_given), window.loss_given
+    ),
     written=jnp.where(finite, written, window.written),
   )

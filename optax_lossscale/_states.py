@@ -83,9 +83,9 @@ class SkipRecord:
     spiked: whether the step was skipped as a spike of its global norm and
       of its loss (bool, shape `(2,)`; see `LossScaleOptimizer`'s
       `spike_sigmas`).
-    spike: for the norm and the loss (rows), the step's value, the window's
-      mean and standard deviation and the threshold (float32, `(2, 4)`);
-      zeros unless the spike rule is on.
+    spike_stats: on a spike, for the norm and the loss (rows), the step's
+      value, the window's mean and standard deviation and the threshold
+      (float32, `(2, 4)`); zeros otherwise.
     leaf_norms: on a spike, per leaf, the norm of its unscaled gradient
       (float32, one more axis): the leaves that carry the norm; zeros
       otherwise.
@@ -108,7 +108,7 @@ class SkipRecord:
   at_floor: jax.Array
   nonfinite: jax.Array
   spiked: jax.Array
-  spike: jax.Array
+  spike_stats: jax.Array
   leaf_norms: jax.Array
   optimizer_step: jax.Array
   leaf_names: jax.Array
@@ -127,7 +127,7 @@ class SkipRecord:
       at_floor=jnp.array(False),
       nonfinite=jnp.zeros((len(names),), jnp.bool_),
       spiked=jnp.zeros((2,), jnp.bool_),
-      spike=jnp.zeros((2, 4), jnp.float32),
+      spike_stats=jnp.zeros((2, 4), jnp.float32),
       leaf_norms=jnp.zeros((len(names),), jnp.float32),
       optimizer_step=jnp.full((), -1, jnp.int32),
       leaf_names=jnp.asarray(np.frombuffer(text, np.uint8)),

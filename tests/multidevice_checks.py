@@ -249,6 +249,49 @@ def check_shard_map():
   assert np.asarray(state.last_nonfinite_write.nonfinite).tolist() == [True]
 
 
+def check_shard_map_spikes():
+  # The spike rule on sharded (FSDP) gradients inside `shard_map`: the norm
+  # and each leaf's norm sum the blocks; a spike in one block skips all.
+  mesh = _mesh((N,), ("i",))
+  tx = ols.LossScaleOptimizer(
+    optax.sgd(0.1),
+    ols.DynamicLossScale(2.0**10),
+    axis_name="i",
+    spike_sigmas=6.0,
+    spike_window=8,
+  )
+  state = tx.init({"w": jnp.zeros((1, 4)), "b": jnp.zeros((1, 2))})
+
+  @jax.jit
+  @partial(
+    jax.shard_map,
+    mesh=mesh,
+    in_specs=(P("i"), P(), P("i")),
+    out_specs=(P("i"), P()),
+  )
+  def step(params, state, grads):
+    params, state = tx.apply_gradients(grads, state, params)
+    return params, state
+
+  sharded = NamedSharding(mesh, P("i"))
+  params = jax.device_put(
+    {"w": jnp.zeros((N, 4)), "b": jnp.zeros((N, 2))}, sharded
+  )
+  rng = np.random.default_rng(0)
+  for i in range(10):
+    w = rng.normal(size=(N, 4)).astype(np.float32) * 2.0**10
+    if i == 9:
+      w[3] *= 1000.0  # one block's outlier
+    b = rng.normal(size=(N, 2)).astype(np.float32) * 2.0**10
+    grads = jax.device_put({"w": w, "b": b}, sharded)
+    before = params
+    params, state = step(params, state, grads)
+  assert not bool(state.should_apply)
+  jax.tree.map(np.testing.assert_array_equal, before, params)
+  (report,) = ols.skip_reports(state)
+  assert report.reason == "spike" and report.largest[0] == "['w']", report
+
+
 def _aval(x):
   """What `select_tree` must agree on with jmp: its type, varying axes too."""
   t = jax.typeof(x)

@@ -39,6 +39,7 @@ PMAP_CHECKS = [
 ]
 MESH_CHECKS = [
   "shard_map",
+  "shard_map_spikes",
   "global_norm",
   "jmp_select_tree_in_shard_map",
   "every_function",

@@ -121,13 +121,15 @@ def test_a_spiking_window_does_not_step_under_accumulation():
     params, state = step(g, state, params, value=jnp.float32(2.0))
     if i == 2 * 8 + 1:  # the window's end
       assert not state.stepped and not state.should_apply
-      assert float(state.grad_norm) == float(state.last_skip.spike[0, 0])
+      assert float(state.grad_norm) == float(state.last_skip.spike_stats[0, 0])
       same = jax.tree.leaves((params, state.inner_state))
       assert all(map(np.array_equal, jax.tree.leaves(before), same))
   assert int(state.skipped_optimizer_steps) == 1
   (report,) = ols.skip_reports(state)
   assert report.reason == "spike" and report.optimizer_step == 8
-  assert float(state.last_skip.spike[0, 0]) > 10  # the window's norm judged
+  assert (
+    float(state.last_skip.spike_stats[0, 0]) > 10
+  )  # the window's norm judged
   assert report.step == 17 and "optimizer step 8" in str(report)
 
 
@@ -270,7 +272,7 @@ def test_the_window_is_the_last_values_after_it_wraps():
   held = np.sort(np.asarray(window.values), axis=-1)
   want = np.sort(np.array([norms[-W:], losses[-W:]], np.float32), axis=-1)
   np.testing.assert_allclose(held, want, rtol=1e-6)
-  spike = state.last_skip.spike  # no skip: the record is empty
+  spike = state.last_skip.spike_stats  # no skip: the record is empty
   assert not np.any(spike)
 
 
@@ -286,3 +288,64 @@ def test_without_skip_nonfinite_a_nonfinite_step_is_applied_not_judged():
   params, state = step(g, state, params)
   assert state.should_apply and int(state.skipped_steps) == 0  # TensorFlow's
   assert int(state.spikes.written) == written  # an inf enters no window
+
+
+def test_a_spiking_window_leaves_nothing_in_the_next_window():
+  k = 2
+  tx = _tx(gradient_accumulation_steps=k, loss_scale=ols.FixedLossScale(1.0))
+  params, state = _params(), tx.init(_params())
+  step = jax.jit(tx.apply_gradients)
+  for i in range(2 * 9):
+    big = 1e4 if i == 2 * 8 else 1.0
+    params, state = step(_grads(i, big, scale=1.0), state, params)
+  assert int(state.skipped_optimizer_steps) == 1
+  g = _grads(99, 1e-3, scale=1.0)
+  _, state = step(g, state, params)  # the next window's first micro-batch
+  np.testing.assert_array_equal(state.accumulator["w"], g["w"])
+
+
+def test_a_loss_given_on_some_steps_is_judged_against_those():
+  tx = _tx()
+  params, state = _params(), tx.init(_params())
+  step = jax.jit(tx.apply_gradients)
+  for i in range(6):  # no loss
+    params, state = step(_grads(i), state, params)
+  params, state = step(_grads(6), state, params, value=jnp.float32(2.0))
+  assert state.should_apply  # one loss is no window of losses
+  assert np.asarray(state.spikes.loss_given).sum() == 1
+
+
+def test_a_nonfinite_loss_skip_keeps_a_valid_state():
+  seen = _run(_tx(), 6)
+  params, state = seen[-1][1], seen[-1][2]
+  step = jax.jit(_tx().apply_gradients)
+  params, state = step(_grads(6), state, params, value=jnp.float32(jnp.nan))
+  assert not state.should_apply
+  ols.check_state(state)
+  assert ols.skip_reports(state)[0].reason == "non-finite loss"
+
+
+def test_a_skip_under_x64_keeps_the_state_float32():
+  with jax.enable_x64(True):
+    tx = _tx(spike_sigmas=None)
+    params = jax.tree.map(lambda x: x.astype(jnp.float32), _params())
+    state = tx.init(params)
+    step = jax.jit(tx.apply_gradients)
+    g = _grads(0)
+    g["w"] = g["w"].at[0, 0].set(jnp.inf)
+    for grads in (g, _grads(1)):
+      params, state = step(grads, state, params)
+    assert state.last_skip.spike_stats.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_the_unscaling_s_scalars_are_computed_outside_the_cond(k):
+  # XLA copies scalar work inside a conditional into every leaf's kernel.
+  tx = _tx(gradient_accumulation_steps=k)
+  params = _params()
+  jaxpr = jax.make_jaxpr(tx.apply_gradients)(params, tx.init(params), params)
+  conds = [e for e in jaxpr.jaxpr.eqns if e.primitive is lax.cond_p]
+  (cond,) = [e for e in conds if any(v.aval.size >= 16 for v in e.outvars)]
+  inside = [e.primitive for e in _inner_eqns(cond)]
+  assert lax.bitcast_convert_type_p not in inside
+  assert lax.frexp_p not in inside if hasattr(lax, "frexp_p") else True
