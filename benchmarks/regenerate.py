@@ -152,6 +152,12 @@ RUNS = (
     4,
   ),
   Run(
+    "benchmarks/BAD_BATCHES.md",
+    ("benchmarks/bad_batches.py",),
+    ("benchmarks/bad_batches.py", "--quick", "--out", f"{TMP}/BAD_BATCHES.md"),
+    4,
+  ),
+  Run(
     "docs/real_text.md",
     ("examples/real_text.py",),
     # Its quick mode writes nothing.

@@ -43,6 +43,7 @@ WRITERS = {
   "COMPILE.md": ("benchmarks/first_compile.py",),
   "LLM_STACK.md": ("benchmarks/llm_stack.py",),
   "WHOLE_STEP.md": ("benchmarks/whole_step.py",),
+  "BAD_BATCHES.md": ("benchmarks/bad_batches.py",),
   "JMP.md": ("benchmarks/jmp_select_tree.py",),
   "JMP_HAIKU.md": ("benchmarks/jmp_haiku_resnet.py",),
   "MODEL_STEP.md": ("benchmarks/model_step.py",),
