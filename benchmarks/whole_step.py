@@ -23,7 +23,7 @@ float32 master weights, float16 compute, the loss in float32), three ways:
 
 Each compile is of a fresh program (a new function object and a learning
 rate a millionth apart, the persistent cache off), `--compiles` of each
-(default 5), the configurations in turns in one process, the order rotated
+(default 9), the configurations in turns in one process, the order rotated
 each round. Writes benchmarks/WHOLE_STEP.md: each configuration's median
 ratio to `plain`'s compile in the same round and their range, the seconds,
 and the library's own cost over the floor (`ours - floor`). `--quick`: one
@@ -244,7 +244,7 @@ def parse_args() -> argparse.Namespace:
     "--compiles",
     type=int,
     default=None,
-    help="first compiles of each configuration (default 5; 1 with --quick)",
+    help="first compiles of each configuration (default 9; 1 with --quick)",
   )
   parser.add_argument(
     "--out",
@@ -255,7 +255,7 @@ def parse_args() -> argparse.Namespace:
   if args.layers is None:
     args.layers = QUICK_LAYERS if args.quick else LAYERS
   if args.compiles is None:
-    args.compiles = 1 if args.quick else 5
+    args.compiles = 1 if args.quick else 9
   for name in ("layers", "compiles"):
     if getattr(args, name) < 1:
       parser.error(f"--{name} must be at least 1, got {getattr(args, name)}.")

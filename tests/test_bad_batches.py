@@ -27,6 +27,7 @@ def bad_batches(monkeypatch):
   return importlib.import_module("bad_batches")
 
 
+@pytest.mark.slow  # a quick run of a benchmark script: `.ci/run` runs it
 def test_each_bad_batch_is_skipped_for_its_reason_and_applied_without_the_rule(
   bad_batches,
 ):

@@ -1,5 +1,7 @@
 """The spike rule (`spike_sigmas`): a bad batch is skipped, not applied."""
 
+import functools
+
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -11,6 +13,14 @@ from jax import lax
 import optax_lossscale as ols
 
 W = 8  # a short window: judged from the 4th step on
+
+
+@functools.cache
+def _stepper(**kwargs):
+  """A default optimizer and its jitted `apply_gradients`, shared by the
+  tests that use them: one compile."""
+  tx = _tx(**kwargs)
+  return tx, jax.jit(tx.apply_gradients)
 
 
 def _tx(**kwargs):
@@ -38,7 +48,7 @@ def _params():
 
 def _run(tx, steps, big_at=(), loss_at=(), loss=True):
   params, state = _params(), tx.init(_params())
-  step = jax.jit(tx.apply_gradients)
+  step = _stepper()[1] if tx is _stepper()[0] else jax.jit(tx.apply_gradients)
   seen = []
   for i in range(steps):
     g = _grads(i, 100.0 if i in big_at else 1.0)
@@ -50,7 +60,7 @@ def _run(tx, steps, big_at=(), loss_at=(), loss=True):
 
 
 def test_a_norm_spike_is_skipped_bit_for_bit_and_reported():
-  seen = _run(_tx(), 12, big_at=(9,))
+  seen = _run(_stepper()[0], 12, big_at=(9,))
   (params, inner), after, state = seen[9]
   assert not state.should_apply and not state.stepped
   assert all(
@@ -76,7 +86,7 @@ def test_a_norm_spike_is_skipped_bit_for_bit_and_reported():
 
 
 def test_a_loss_spike_is_skipped_and_named():
-  seen = _run(_tx(), 12, loss_at=(10,))
+  seen = _run(_stepper()[0], 12, loss_at=(10,))
   state = seen[10][2]
   assert not state.should_apply
   (report,) = ols.skip_reports(seen[-1][2])
@@ -85,7 +95,7 @@ def test_a_loss_spike_is_skipped_and_named():
 
 
 def test_nothing_is_judged_before_half_the_window():
-  seen = _run(_tx(), 6, big_at=(2,))  # 2 values in the window of 8
+  seen = _run(_stepper()[0], 6, big_at=(2,))  # 2 values in the window of 8
   assert all(bool(s.should_apply) for _, _, s in seen)
   assert int(seen[-1][2].spikes.written) == 6
 
@@ -98,9 +108,8 @@ def test_no_spike_on_a_clean_run_and_off_by_default():
 
 
 def test_a_lasting_shift_is_learned_within_a_window():
-  tx = _tx()
+  tx, step = _stepper()
   params, state = _params(), tx.init(_params())
-  step = jax.jit(tx.apply_gradients)
   applied = []
   for i in range(40):
     g = _grads(i, 1.0 if i < 10 else 30.0)
@@ -207,7 +216,7 @@ def test_one_conditional_and_one_read_with_the_rule_on(k):
 
 
 def test_check_state_checks_the_window():
-  state = _run(_tx(), 5)[-1][2]
+  state = _run(_stepper()[0], 5)[-1][2]
   ols.check_state(state)
   bad = state.spikes._replace(values=state.spikes.values.at[0, 0].set(jnp.nan))
   with pytest.raises(ValueError, match="spikes.values"):
@@ -230,9 +239,8 @@ def test_a_state_of_other_settings_is_refused_by_name(other):
 
 
 def test_a_run_of_spikes_stops_with_the_spike_advice():
-  tx = _tx()
+  tx, step = _stepper()
   params, state = _params(), tx.init(_params())
-  step = jax.jit(tx.apply_gradients)
   for i, big in enumerate([1.0] * 9 + [1e2, 1e4, 1e6]):  # each far above
     params, state = step(_grads(i, big), state, params)
   assert int(state.consecutive_skipped_steps) == 3
@@ -305,9 +313,8 @@ def test_a_spiking_window_leaves_nothing_in_the_next_window():
 
 
 def test_a_loss_given_on_some_steps_is_judged_against_those():
-  tx = _tx()
+  tx, step = _stepper()
   params, state = _params(), tx.init(_params())
-  step = jax.jit(tx.apply_gradients)
   for i in range(6):  # no loss
     params, state = step(_grads(i), state, params)
   params, state = step(_grads(6), state, params, value=jnp.float32(2.0))
@@ -316,9 +323,9 @@ def test_a_loss_given_on_some_steps_is_judged_against_those():
 
 
 def test_a_nonfinite_loss_skip_keeps_a_valid_state():
-  seen = _run(_tx(), 6)
+  seen = _run(_stepper()[0], 6)
   params, state = seen[-1][1], seen[-1][2]
-  step = jax.jit(_tx().apply_gradients)
+  step = _stepper()[1]
   params, state = step(_grads(6), state, params, value=jnp.float32(jnp.nan))
   assert not state.should_apply
   ols.check_state(state)
