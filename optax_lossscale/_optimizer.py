@@ -714,14 +714,26 @@ class LossScaleOptimizer:
     not of this optimizer's settings (they shape those fields)."""
     k, sigmas = self.gradient_accumulation_steps, self.spike_sigmas
     empty = isinstance(state.accumulator, tuple) and not state.accumulator
-    spikes = getattr(state.spikes, "values", None)
-    length = None if spikes is None else spikes.shape[-1]
+    window = state.spikes
+    on = isinstance(window, _spikes.SpikeWindow)
+    length = window.values.shape[-1] if on else None
     if empty == (k > 1):
       field, setting = "accumulator", f"gradient_accumulation_steps={k}"
     elif length != (None if sigmas is None else self.spike_window):
       field = "spikes"
-      setting = f"spike_sigmas={sigmas}, spike_window={self.spike_window}"
+      setting = (
+        "the spike rule off"
+        if sigmas is None
+        else (f"spike_sigmas={sigmas}, spike_window={self.spike_window}")
+      )
     else:
+      if on:  # its dtypes, as `check_like` checks the other fields'
+        like = self._dtypes.spikes
+        for name, leaf in zip(window._fields, window, strict=True):
+          want = getattr(like, name).dtype
+          _validation.array_dtype(
+            f"`{call}`: the state's `.spikes.{name}`", leaf, want
+          )
       return
     raise TypeError(
       f"`{call}`: the state's `{field}` is of an optimizer of other settings"

@@ -66,18 +66,22 @@ def judge(
 ) -> Spike:
   """Whether `value` (the norm and the loss, float32 `(2,)`) spikes: it
   exceeds the window's mean by more than `sigmas` sample standard
-  deviations (at least a millionth of the mean, so that a constant window
-  does not skip a rounding error), once half the window holds values; only
+  deviations (at least a millionth of the mean and 1e-6, so that a constant
+  window does not skip a rounding error), once half the window holds values; only
   where `judged`. The loss is judged only when given, against the losses
   given."""
   length = window.values.shape[-1]
-  filled = jnp.arange(length) < jnp.minimum(window.written, length)
+  filled = jnp.arange(length, dtype=jnp.int32) < jnp.minimum(
+    window.written, length
+  )
   held = jnp.stack([filled, filled & window.loss_given]).astype(jnp.float32)
   n = held.sum(-1)
   mean = (window.values * held).sum(-1) / jnp.maximum(n, 1.0)
   spread = jnp.square((window.values - mean[:, None]) * held).sum(-1)
   std = jnp.sqrt(spread / jnp.maximum(n - 1.0, 1.0))
-  threshold = mean + sigmas * jnp.maximum(std, 1e-6 * jnp.abs(mean))
+  # Floored at a millionth of the mean, and of 1e-6 (Levanter's floor).
+  floor = 1e-6 * jnp.maximum(jnp.abs(mean), 1.0)
+  threshold = mean + sigmas * jnp.maximum(std, floor)
   ready = judged & (n >= length // 2) & jnp.array([True, loss_given])
   spiked = ready & (value > threshold)
   stats = jnp.stack([value, mean, std, threshold], axis=-1)

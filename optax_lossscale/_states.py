@@ -265,8 +265,9 @@ def check_like(call: str, state: Any, like: Any) -> None:
   `like`'s type whose fields were not cast.
 
   `like` is a state of the expected type, fields and dtypes (from `init`,
-  abstract), with no inner state and no accumulator: they are shaped by
-  `inner` and the parameters, so they are not compared.
+  abstract). The inner state, the accumulator and the spike window are
+  shaped by `inner`, the parameters or the settings: they are not compared
+  here (`LossScaleOptimizer` checks the last two against its settings).
   """
   if not isinstance(state, type(like)):
     raise TypeError(

@@ -356,3 +356,46 @@ def test_the_unscaling_s_scalars_are_computed_outside_the_cond(k):
   inside = [e.primitive for e in _inner_eqns(cond)]
   assert lax.bitcast_convert_type_p not in inside
   assert lax.frexp_p not in inside if hasattr(lax, "frexp_p") else True
+
+
+@pytest.mark.parametrize(
+  ("field", "dtype"),
+  [
+    ("values", jnp.float16),
+    ("loss_sum", jnp.bfloat16),
+    ("loss_given", jnp.int32),
+  ],
+)
+def test_a_cast_window_is_refused_by_name(field, dtype):
+  tx, step = _stepper()
+  state = tx.init(_params())
+  window = state.spikes
+  cast = window._replace(**{field: getattr(window, field).astype(dtype)})
+  with pytest.raises(TypeError, match=f"spikes.{field}"):
+    step(_grads(0), state._replace(spikes=cast), _params())
+
+
+def test_a_window_of_zeros_does_not_skip_a_rounding_error():
+  tx = _tx(loss_scale=ols.FixedLossScale(1.0))
+  params, state = _params(), tx.init(_params())
+  step = jax.jit(tx.apply_gradients)
+  zeros = jax.tree.map(jnp.zeros_like, _grads(0))
+  for _ in range(W):
+    params, state = step(zeros, state, params, value=jnp.float32(0))
+  tiny = jax.tree.map(lambda x: jnp.full_like(x, 1e-8), zeros)
+  params, state = step(tiny, state, params, value=jnp.float32(1e-7))
+  assert state.should_apply
+
+
+def test_a_spike_under_x64_keeps_the_state_float32():
+  with jax.enable_x64(True):
+    tx = _tx()
+    params = jax.tree.map(lambda x: x.astype(jnp.float32), _params())
+    state = tx.init(params)
+    step = jax.jit(tx.apply_gradients)
+    for i in range(10):
+      big = 100.0 if i == 9 else 1.0
+      params, state = step(_grads(i, big), state, params, value=jnp.float32(2))
+    assert not state.should_apply
+    ols.check_state(state)
+    assert state.spikes.values.dtype == jnp.float32
