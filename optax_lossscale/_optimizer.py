@@ -118,6 +118,13 @@ def _write_record(state: State, params: Any, axis_name: Any) -> WriteRecord:
   return tree_where(jnp.all(finite) | (applied < 0), last, new)  # type: ignore[no-any-return]
 
 
+def _unscaled(step: _Step, factor: jax.Array, twos: Any) -> Any:
+  """The step's trained gradients times `factor` and `twos` (`reciprocal`'s
+  parts, computed outside the conditional), overwritten leaves left out."""
+  grads = multiply_floats(step.grads, factor, twos)
+  return without_overwritten(step.overwritten, grads)
+
+
 def _counted(
   step: _Step,
   loss_scale: LossScale,
@@ -314,11 +321,7 @@ class LossScaleOptimizer:
     self.inner = optax.with_extra_args_support(inner)
     self.loss_scale = loss_scale
     if max_norm is not None:
-      max_norm = _validation.scalar(call, "max_norm", max_norm)
-      if not max_norm > 0:
-        raise ValueError(
-          f"`{call}(max_norm=...)` must be positive, got {max_norm}."
-        )
+      max_norm = _validation.positive(call, "max_norm", max_norm)
     self.max_norm = max_norm
     self.skip_nonfinite = _validation.boolean(
       call, "skip_nonfinite", skip_nonfinite
@@ -332,11 +335,7 @@ class LossScaleOptimizer:
       minimum=1,
     )
     if spike_sigmas is not None:
-      spike_sigmas = _validation.scalar(call, "spike_sigmas", spike_sigmas)
-      if not spike_sigmas > 0:
-        raise ValueError(
-          f"`{call}(spike_sigmas=...)` must be positive, got {spike_sigmas}."
-        )
+      spike_sigmas = _validation.positive(call, "spike_sigmas", spike_sigmas)
     elif spike_window is not None:
       raise ValueError(
         f"`{call}(spike_window={spike_window!r})` is the spike rule's: set"
@@ -798,9 +797,7 @@ class LossScaleOptimizer:
     )
     base, twos = reciprocal(step.attempt.loss_scale())
     factor = clip * base.astype(clip.dtype)  # float64 with a float64 norm
-    unscaled = lambda f=factor: without_overwritten(  # noqa: E731
-      step.overwritten, multiply_floats(step.grads, f, twos)
-    )
+    unscaled = lambda f=factor: _unscaled(step, f, twos)  # noqa: E731
     given = state.accumulator if accumulating else unscaled()
     output, update = self._inner_update(step, given)
     slots = state.last_skip.nonfinite.shape[-1]  # none after `init(None)`
@@ -884,9 +881,7 @@ class LossScaleOptimizer:
       count = state.accumulated + kept.astype(jnp.int32)
       total = loss_sum + jnp.where(kept, loss, 0)
       loss = total / jnp.maximum(count, 1).astype(jnp.float32)
-      factor, twos = reciprocal(step.attempt.loss_scale())
-      g = multiply_floats(step.grads, factor, twos)
-      g = without_overwritten(step.overwritten, g)
+      g = _unscaled(step, *reciprocal(step.attempt.loss_scale()))
       norm = self._window_mean(state, state.accumulator, g, kept)[1]
       closes = state.micro_step + 1 >= self.gradient_accumulation_steps
       judged = closes & (count > 0)

@@ -46,6 +46,14 @@ def scalar(call: str, name: str, value: Any) -> float:
   return result
 
 
+def positive(call: str, name: str, value: Any) -> float:
+  """`value` as a positive Python float (see `scalar`), or raises."""
+  result = scalar(call, name, value)
+  if not result > 0:
+    raise ValueError(f"`{call}({name}=...)` must be positive, got {result}.")
+  return result
+
+
 def integer(
   call: str, name: str, value: Any, *, minimum: int, maximum: int = INT32_MAX
 ) -> int:
