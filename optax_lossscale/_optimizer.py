@@ -48,15 +48,6 @@ class _Step(NamedTuple):
   attempt: _retry.Attempt  # the scale and the verdict of its gradients
 
 
-class _SpikeRecord(NamedTuple):
-  """What a step's skip record says of the spike rule: its verdict, each
-  leaf's norm on a spike, and the step's number in optimizer steps."""
-
-  verdict: _spikes.Spike
-  leaf_norms: jax.Array
-  optimizer_step: jax.Array
-
-
 class _Window(NamedTuple):
   """Where a call falls in its accumulation window, and the branch it takes:
   0 skips, 1 steps (with accumulation: 1 accumulates, 2 steps)."""
@@ -123,56 +114,6 @@ def _unscaled(step: _Step, factor: jax.Array, twos: Any) -> Any:
   parts, computed outside the conditional), overwritten leaves left out."""
   grads = multiply_floats(step.grads, factor, twos)
   return without_overwritten(step.overwritten, grads)
-
-
-def _counted(
-  step: _Step,
-  loss_scale: LossScale,
-  should_apply: Any,
-  dropped: Any,
-  spike: _SpikeRecord,
-) -> State:
-  """The state's loss scale, counters and skip record after a step;
-  `dropped` whether the step is recorded as skipped (not held for a retry);
-  `spike` the rule's verdict, each leaf's norm on a spike, and the step's
-  number in optimizer steps.
-
-  The record's scale is the step's; the attempt's says whether the scale
-  reached its floor.
-  """
-  state, (tried, verdict, *_) = step.state, step.attempt
-  loss_finite, lowered, skipped = (
-    verdict.loss_finite,
-    tried.lowered(),
-    ~should_apply,
-  )
-  consecutive = optax.safe_increment(state.consecutive_skipped_steps)
-  slots = state.last_skip.nonfinite.shape[-1]  # none after `init(None)`
-  record = dataclasses.replace(
-    state.last_skip,
-    step=state.steps,
-    loss_scale=state.loss_scale(),
-    next_loss_scale=loss_scale(),
-    consecutive_skipped_steps=consecutive,
-    loss_given=jnp.array(loss_finite is not None),
-    loss_finite=jnp.array(True) if loss_finite is None else loss_finite,
-    at_floor=jnp.array(True) if lowered is None else lowered() >= tried(),
-    nonfinite=~verdict.flags[:slots],
-    spiked=spike.verdict.spiked,
-    spike_stats=jnp.where(spike.verdict.found, spike.verdict.stats, 0),
-    leaf_norms=spike.leaf_norms,
-    optimizer_step=spike.optimizer_step,
-  )
-  loss_failed = False if loss_finite is None else ~loss_finite
-  return state._replace(
-    loss_scale=loss_scale,
-    should_apply=should_apply,
-    skipped_steps=_count(state.skipped_steps, skipped),
-    consecutive_skipped_steps=jnp.where(skipped, consecutive, 0),
-    nonfinite_loss_steps=_count(state.nonfinite_loss_steps, loss_failed),
-    last_skip=tree_where(dropped, record, state.last_skip),
-    steps=optax.safe_increment(state.steps),
-  )
 
 
 class LossScaleOptimizer:
@@ -595,16 +536,18 @@ class LossScaleOptimizer:
     conditional (a second would make XLA copy what the retry loop carries).
     """
     step = self._prepare(call, grads, state, params, extra_args, fused, attempt)
-    attempt, held = step.attempt, step.attempt.held
-    loss_scale, should_apply = decide(
+    attempt = step.attempt
+    should_apply = decide(
       attempt.loss_scale, attempt.verdict, self.skip_nonfinite
-    )
-    spike, spikes = self._spike(step, should_apply, held)
-    window = self._window(state, should_apply & ~spike.found, held, spike)
+    )[1]
+    spike, spikes = self._spike(step, should_apply & ~attempt.held)
+    applied = should_apply & ~spike.found
+    blocked = attempt.held | spike.found  # no step, whatever the window kept
+    window = self._window(state, applied & ~attempt.held, blocked)
     try:  # `inner` reads its state here
       out, inner, accumulator, wrote, norm, norms = _cond.switch(
         window.branch,
-        self._branches(step, should_apply, held, spike),
+        self._branches(step, should_apply, spike),
         params,
         state.inner_state,
         state.accumulator,
@@ -614,34 +557,21 @@ class LossScaleOptimizer:
     except Exception as error:
       self._foreign(call, step, error)
       raise
-    should_apply &= ~spike.found
-    loss_scale = self._moved(step, loss_scale, should_apply, window)
-    dropped = ~should_apply if held is None else ~should_apply & ~held
-    retries = 0 if attempt.retries is None else attempt.retries
-    k = self.gradient_accumulation_steps
-    record = _SpikeRecord(spike, norms, optimizer_step=state.steps // k)
-    new = _counted(step, loss_scale, should_apply, dropped, record)._replace(
-      inner_state=inner,
-      retries=state.retries + retries,
-      last_nonfinite_write=wrote,
-      grad_norm=jnp.where(
-        spike.found, spike.stats[0, 0], norm.astype(jnp.float32)
-      ),
-      accumulated=window.accumulated,
-      stepped=window.stepped,
-      micro_step=window.micro_step,
-      accumulator=accumulator,
-      skipped_optimizer_steps=_count(
-        state.skipped_optimizer_steps, window.closes & ~window.stepped
+    new = self._counted(step, applied, window, spike, norms)._replace(
+      grad_norm=jnp.where(spike.found, spike.stats[0, 0], norm).astype(
+        jnp.float32
       ),
       spikes=spikes,
     )
-    if held is not None:  # the conditional's outputs, as they were
-      kept = state._replace(
-        inner_state=inner, accumulator=accumulator, last_nonfinite_write=wrote
-      )
-      new = tree_where(held, kept, new)
-    return out, new
+    # A held attempt changes only what the conditional returned.
+    new = tree_where(
+      attempt.held,
+      state._replace(inner_state=None, accumulator=None),
+      new._replace(inner_state=None, accumulator=None),
+    )
+    return out, new._replace(
+      inner_state=inner, accumulator=accumulator, last_nonfinite_write=wrote
+    )
 
   def _prepare(
     self,
@@ -659,10 +589,11 @@ class LossScaleOptimizer:
     overwritten = self._overwritten(call, grads)
     if params is None and any(jax.tree.leaves(overwritten)):
       raise ValueError(f"`{call}(params=None)`: overwritten leaves need them.")
-    if attempt is None:  # outside the retry loop
+    if attempt is None:  # outside the retry loop: the first attempt, alone
       value, axis = extra_args.get("value"), self.axis_name
       verdict = read(call, state.loss_scale, grads, value, axis, overwritten)
-      attempt = _retry.Attempt(state.loss_scale, verdict, None, None)
+      zero, false = jnp.zeros((), jnp.int32), jnp.array(False)
+      attempt = _retry.Attempt(state.loss_scale, verdict, zero, false)
     return _Step(
       state=state,
       params=params,
@@ -673,23 +604,67 @@ class LossScaleOptimizer:
       attempt=attempt,
     )
 
-  def _moved(
+  def _counted(
     self,
     step: _Step,
-    loss_scale: LossScale,
     should_apply: jax.Array,
     window: _Window,
-  ) -> LossScale:
-    """The next loss scale: a retried batch moves it as one overflowed step
-    would, and a kept micro-batch of an open window holds it."""
-    state, retries = step.state, step.attempt.retries
-    hold = should_apply & ~window.closes
-    if retries is not None:
-      first = step.attempt.verdict.grads_finite & (retries == 0)
-      verdict = step.attempt.verdict._replace(grads_finite=first)
-      loss_scale = decide(state.loss_scale, verdict, self.skip_nonfinite)[0]
-      hold &= retries == 0
-    return tree_where(hold, _held(state.loss_scale), loss_scale)  # type: ignore[no-any-return]
+    spike: _spikes.Spike,
+    norms: jax.Array,
+  ) -> State:
+    """The state's loss scale, counters and skip record after a step;
+    `spike` is the rule's verdict, `norms` each leaf's norm on a spike.
+
+    The scale moves as for the batch's first attempt: a retried batch as
+    one overflowed step would. A kept micro-batch of an open window holds
+    it. The record's scale is the step's; the attempt's says whether the
+    scale reached its floor.
+    """
+    state, (tried, verdict, retries, _) = step.state, step.attempt
+    first = retries == 0
+    as_first = verdict._replace(grads_finite=verdict.grads_finite & first)
+    moved = decide(state.loss_scale, as_first, self.skip_nonfinite)[0]
+    hold = should_apply & ~window.closes & first
+    loss_scale = tree_where(hold, _held(state.loss_scale), moved)
+    loss_finite, lowered, skipped = (
+      verdict.loss_finite,
+      tried.lowered(),
+      ~should_apply,
+    )
+    consecutive = optax.safe_increment(state.consecutive_skipped_steps)
+    slots = state.last_skip.nonfinite.shape[-1]  # none after `init(None)`
+    record = dataclasses.replace(
+      state.last_skip,
+      step=state.steps,
+      loss_scale=state.loss_scale(),
+      next_loss_scale=loss_scale(),
+      consecutive_skipped_steps=consecutive,
+      loss_given=jnp.array(loss_finite is not None),
+      loss_finite=jnp.array(True) if loss_finite is None else loss_finite,
+      at_floor=jnp.array(True) if lowered is None else lowered() >= tried(),
+      nonfinite=~verdict.flags[:slots],
+      spiked=spike.spiked,
+      spike_stats=jnp.where(spike.found, spike.stats, 0),
+      leaf_norms=norms,
+      optimizer_step=state.steps // self.gradient_accumulation_steps,
+    )
+    loss_failed = False if loss_finite is None else ~loss_finite
+    return state._replace(
+      loss_scale=loss_scale,
+      should_apply=should_apply,
+      skipped_steps=_count(state.skipped_steps, skipped),
+      consecutive_skipped_steps=jnp.where(skipped, consecutive, 0),
+      nonfinite_loss_steps=_count(state.nonfinite_loss_steps, loss_failed),
+      retries=state.retries + retries,
+      last_skip=tree_where(skipped, record, state.last_skip),
+      steps=optax.safe_increment(state.steps),
+      accumulated=window.accumulated,
+      stepped=window.stepped,
+      micro_step=window.micro_step,
+      skipped_optimizer_steps=_count(
+        state.skipped_optimizer_steps, window.closes & ~window.stepped
+      ),
+    )
 
   def _foreign(self, call: str, step: _Step, error: Exception) -> None:
     """Raises a `TypeError` naming `inner_state` if the step's is not of the
@@ -742,30 +717,21 @@ class LossScaleOptimizer:
     )
 
   def _window(
-    self,
-    state: State,
-    should_apply: jax.Array,
-    held: jax.Array | None,
-    spike: _spikes.Spike,
+    self, state: State, keeps: jax.Array, blocked: jax.Array
   ) -> _Window:
     """The branch this call takes, and the window's counters after it.
 
-    Without accumulation, every window is one call long. A held attempt
-    skips: the retry that follows it may close the window. A spiking
-    window does not step.
+    `keeps` is whether this call's gradients are kept; a `blocked` call
+    does not step (a spike, or a held attempt: the retry that follows it
+    may close the window). Without accumulation, every window is one call
+    long.
     """
-    keeps = should_apply if held is None else should_apply & ~held
-    if self.gradient_accumulation_steps == 1:
-      zero = jnp.zeros((), jnp.int32)
-      branch, closes, stepped = keeps.astype(jnp.int32), jnp.array(True), keeps
-      return _Window(branch, closes, stepped, micro_step=zero, accumulated=zero)
-    closes = state.micro_step + 1 >= self.gradient_accumulation_steps
+    k = self.gradient_accumulation_steps
+    closes = state.micro_step + 1 >= k
     count = state.accumulated + keeps.astype(jnp.int32)
-    stepped = closes & (count > 0) & ~spike.found
-    if held is not None:
-      stepped &= ~held
+    stepped = closes & (count > 0) & ~blocked
     return _Window(
-      branch=jnp.where(stepped, 2, keeps.astype(jnp.int32)),
+      branch=jnp.where(stepped, 2 if k > 1 else 1, keeps.astype(jnp.int32)),
       closes=closes,
       stepped=stepped,
       micro_step=jnp.where(closes, 0, state.micro_step + 1),
@@ -776,7 +742,6 @@ class LossScaleOptimizer:
     self,
     step: _Step,
     should_apply: jax.Array,
-    held: jax.Array | None,
     spike: _spikes.Spike,
   ) -> list[Callable[..., Any]]:
     """The branches: skip, (accumulate,) step. Each takes the parameters,
@@ -805,7 +770,7 @@ class LossScaleOptimizer:
 
     def skip(params: Any, inner: Any, acc: Any, wrote: Any) -> Any:
       new = _write_record(state, params, self.axis_name)
-      new = new if held is None else tree_where(held, wrote, new)
+      new = tree_where(step.attempt.held, wrote, new)
       norms = none
       if self.spike_sigmas is not None:  # the leaves that carry a spike
         g = unscaled(base)
@@ -857,16 +822,15 @@ class LossScaleOptimizer:
     pieces = _numerics.pieces(leaves(mean))
     return mean, _numerics.root(_numerics.squares(pieces, self.axis_name)[0])
 
-  def _spike(
-    self, step: _Step, should_apply: jax.Array, held: jax.Array | None
-  ) -> tuple[_spikes.Spike, Any]:
+  def _spike(self, step: _Step, kept: jax.Array) -> tuple[_spikes.Spike, Any]:
     """The spike rule's verdict on this call, and its window after it.
 
     A step is judged by its norm and loss; under accumulation, a window at
     its end, by its mean gradient's norm and its micro-batches' mean loss.
-    Off, no spike, and the window stays `()`.
+    `kept` is whether this call's gradients are kept. Off, no spike, and the
+    window stays `()`.
     """
-    state = step.state
+    state, k = step.state, self.gradient_accumulation_steps
     if self.spike_sigmas is None:
       off = jnp.zeros((2,), jnp.bool_)
       stats = jnp.zeros((2, 4), jnp.float32)
@@ -874,26 +838,20 @@ class LossScaleOptimizer:
     window, norm = state.spikes, step.attempt.verdict.norm
     given = step.extra_args.get("value")
     loss = jnp.zeros(()) if given is None else jnp.mean(given)
-    loss = loss.astype(jnp.float32)
-    kept = should_apply if held is None else should_apply & ~held
-    judged, loss_sum = kept, window.loss_sum
-    if self.gradient_accumulation_steps > 1:
-      count = state.accumulated + kept.astype(jnp.int32)
-      total = loss_sum + jnp.where(kept, loss, 0)
-      loss = total / jnp.maximum(count, 1).astype(jnp.float32)
+    closes = state.micro_step + 1 >= k
+    count = state.accumulated + kept.astype(jnp.int32)
+    total = window.loss_sum + jnp.where(kept, loss.astype(jnp.float32), 0)
+    loss = total / jnp.maximum(count, 1).astype(jnp.float32)
+    if k > 1:  # the window's mean gradient: one more read
       g = _unscaled(step, *reciprocal(step.attempt.loss_scale()))
       norm = self._window_mean(state, state.accumulator, g, kept)[1]
-      closes = state.micro_step + 1 >= self.gradient_accumulation_steps
-      judged = closes & (count > 0)
-      loss_sum = jnp.where(closes, 0, total)
     value = jnp.stack([norm.astype(jnp.float32), loss])
     # Only finite values: `skip_nonfinite=False` applies the others.
-    judged &= jnp.all(jnp.isfinite(value))
-    spike = _spikes.judge(
-      window, value, judged, self.spike_sigmas, given is not None
-    )
-    window = _spikes.entered(window, value, judged, given is not None)
-    return spike, window._replace(loss_sum=loss_sum)
+    judged = closes & (count > 0) & jnp.all(jnp.isfinite(value))
+    sigmas, loss_given = self.spike_sigmas, given is not None
+    spike = _spikes.judge(window, value, judged, sigmas, loss_given)
+    window = _spikes.entered(window, value, judged, loss_given)
+    return spike, window._replace(loss_sum=jnp.where(closes, 0, total))
 
   def _clip(self, norm: jax.Array, finite: jax.Array) -> jax.Array:
     """What clips gradients of global `norm` to `max_norm` (1 without it).

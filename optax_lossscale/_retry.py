@@ -17,15 +17,15 @@ class Attempt(NamedTuple):
   """One attempt of the retry loop, as the step that applies it reads it.
 
   `loss_scale` is the scale it ran at, `verdict` what the read found;
-  `retries` counts the attempts before it; `held` is whether another
-  attempt follows, so that this one must write nothing. A step outside the
-  retry loop is an attempt whose `retries` and `held` are None.
+  `retries` counts the attempts before it (int32); `held` is whether
+  another attempt follows, so that this one must write nothing (bool). A
+  step outside the retry loop is a first attempt that nothing follows.
   """
 
   loss_scale: LossScale
   verdict: Any
-  retries: jax.Array | None
-  held: jax.Array | None
+  retries: jax.Array
+  held: jax.Array
 
 
 def retry(
