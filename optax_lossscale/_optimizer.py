@@ -685,29 +685,25 @@ class LossScaleOptimizer:
 
   def _check_shaped(self, call: str, state: State) -> None:
     """Raises a `TypeError` if the state's accumulator or spike window is
-    not of this optimizer's settings (they shape those fields)."""
-    k, sigmas = self.gradient_accumulation_steps, self.spike_sigmas
+    not of this optimizer's settings (they shape those fields), or the
+    window was cast."""
+    k, sigmas, like = (
+      self.gradient_accumulation_steps,
+      self.spike_sigmas,
+      self._dtypes.spikes,
+    )
     empty = isinstance(state.accumulator, tuple) and not state.accumulator
-    window = state.spikes
-    on = isinstance(window, _spikes.SpikeWindow)
-    length = window.values.shape[-1] if on else None
     if empty == (k > 1):
       field, setting = "accumulator", f"gradient_accumulation_steps={k}"
-    elif length != (None if sigmas is None else self.spike_window):
-      field = "spikes"
-      setting = (
-        "the spike rule off"
-        if sigmas is None
-        else (f"spike_sigmas={sigmas}, spike_window={self.spike_window}")
-      )
-    else:
-      if on:  # its dtypes, as `check_like` checks the other fields'
-        like = self._dtypes.spikes
-        for name, leaf in zip(window._fields, window, strict=True):
-          want = getattr(like, name).dtype
-          _validation.array_dtype(
-            f"`{call}`: the state's `.spikes.{name}`", leaf, want
-          )
+    elif jax.tree.map(jnp.shape, state.spikes) != jax.tree.map(jnp.shape, like):
+      field, setting = "spikes", "the spike rule off"
+      if sigmas is not None:
+        setting = f"spike_sigmas={sigmas}, spike_window={self.spike_window}"
+    else:  # its dtypes, as `check_like` checks the other fields'
+      paths = jax.tree_util.tree_leaves_with_path(state.spikes)
+      for (path, leaf), want in zip(paths, jax.tree.leaves(like), strict=True):
+        where = f"`{call}`: the state's `.spikes{jax.tree_util.keystr(path)}`"
+        _validation.array_dtype(where, leaf, want.dtype)
       return
     raise TypeError(
       f"`{call}`: the state's `{field}` is of an optimizer of other settings"
