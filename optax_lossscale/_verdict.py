@@ -84,6 +84,8 @@ def read(
 
   def exact(*arrays: jax.Array) -> tuple[jax.Array, jax.Array]:
     # The pieces are its operands: a conditional's operands are buffers.
+    # Each reduction unscales what it reads: pieces unscaled once, for
+    # both, are held in memory (tests/test_accelerator_ready.py).
     again = [p._replace(array=a) for p, a in zip(pieces, arrays, strict=True)]
     flags = _numerics.flags(again, len(flat), loss_scale.unscale)
     unscaled = _numerics.squares(again, axis_name, unscale)[0]
