@@ -2,31 +2,32 @@
 
 from __future__ import annotations
 
+import functools
 import numbers
 import warnings
 from typing import Any, TypeVar
 
 import jax
 import numpy as np
+import optax
 
-from optax_lossscale import _loss_scale, _spikes, _states, _validation
-from optax_lossscale._loss_scale import LossScale
+from optax_lossscale import _loss_scale, _validation
+from optax_lossscale._loss_scale import DynamicLossScale, LossScale
+from optax_lossscale._optimizer import LossScaleOptimizer
 from optax_lossscale._states import LossScaleOptimizerState
+from optax_lossscale._validation import FLOAT32_MAX, describe, host_values
 
 __all__ = ["check_state"]
 
 T = TypeVar("T")
-# The int32 counters, `skipped_steps` and `consecutive_skipped_steps` first.
-_COUNTERS = (
-  "skipped_steps",
-  "skipped_optimizer_steps",
-  "consecutive_skipped_steps",
-  "nonfinite_loss_steps",
-  "retries",
-  "steps",
-  "accumulated",
-  "micro_step",
-)
+# An array's valid values under any hyperparameters, by its field's name; any
+# other's are at least 0.
+_VALID = {
+  "current_loss_scale": (float(np.finfo(np.float32).tiny), FLOAT32_MAX),
+  **dict.fromkeys(["step", "optimizer_step"], (-1, np.inf)),  # -1: none yet
+  **dict.fromkeys(["values", "loss_sum"], (-FLOAT32_MAX, FLOAT32_MAX)),
+  "spike_stats": (-np.inf, np.inf),  # a loss may be negative
+}
 _MOVES = "steps take the nearest bound"
 _GROWS = "the next finite step grows the scale"
 _LOWERS = "the next non-finite step lowers the scale"
@@ -34,148 +35,108 @@ _LOWERS = "the next non-finite step lowers the scale"
 
 def _array(x: Any) -> Any:
   """`x`, or the one array inside a container such as an NNX variable."""
-  if isinstance(x, (jax.Array, np.ndarray, np.generic, numbers.Number)):
-    return x
   leaves = jax.tree.leaves(x)
   return leaves[0] if len(leaves) == 1 else x
 
 
-def _check(
-  where: str,
-  value: Any,
-  dtype: Any,
-  shape: Any,
-  valid: tuple[float, float] = (0, np.inf),
-  axes: int = 0,
-) -> np.ndarray | None:
-  """`value`'s dtype, its shape (the state's, plus `axes` axes), its range;
-  returns its values if they are concrete."""
-  value = _array(value)
-  if isinstance(value, numbers.Number) or value is None:
-    got = _validation.describe(value)
-    raise TypeError(
-      f"{where} must be an array of {np.dtype(dtype)}, got {got}."
-    )
-  _validation.array_dtype(where, value, dtype)
-  got = np.shape(value)[: np.ndim(value) - axes]
-  if got != shape or np.ndim(value) < axes:
-    plus = f", plus {axes} axes" if axes else ""
-    raise ValueError(
-      f"{where} must have the state's shape {shape}{plus}, got {np.shape(value)}."
-    )
-  _validation.in_range(where, value, *valid)
-  return _validation.host_values(value)
+def _wrong_type(where: str, what: str, value: Any) -> TypeError:
+  """The error saying that `where` must be `what`, not `value`."""
+  return TypeError(f"{where} must be {what}, got {describe(value)}.")
+
+
+def _fresh(**kw: Any) -> Any:
+  """A state's own arrays as `init` makes them, abstract: their dtypes and
+  their axes past the state's. Nothing moves to a device (a check runs under
+  `jax.transfer_guard`); its loss scale, inner state and accumulator hold no
+  array (`_check_loss_scale` and the accumulator's check read those)."""
+  tx = LossScaleOptimizer(optax.identity(), _loss_scale.NoOpLossScale(), **kw)
+  return jax.eval_shape(tx.init, {})
+
+
+def _check_all(node: Any, want: Any, path: str, shape: Any) -> dict[str, Any]:
+  """Checks each array of `node` against `want`'s (abstract): its dtype, its
+  shape (the state's, plus `want`'s axes) and its range (`_VALID`); returns
+  their values where concrete, by path."""
+  read = {}
+  for keys, like in jax.tree_util.tree_leaves_with_path(want):
+    name = jax.tree_util.keystr(keys)
+    where = f"`{path}{name}`"
+    value = _array(functools.reduce(getattr, [k.name for k in keys], node))
+    if isinstance(value, numbers.Number) or value is None:
+      raise _wrong_type(where, f"an array of {like.dtype}", value)
+    _validation.array_dtype(where, value, like.dtype)
+    has = np.shape(value)
+    if has[: len(shape)] != shape or len(has) != len(shape) + like.ndim:
+      plus = f", plus {like.ndim} axes" if like.ndim else ""
+      raise ValueError(
+        f"{where} must have the state's shape {shape}{plus}, got {has}."
+      )
+    _validation.in_range(where, value, *_VALID.get(keys[-1].name, (0, np.inf)))
+    read[name] = host_values(value)
+  return read
 
 
 def _check_loss_scale(ls: LossScale, path: str, shape: Any) -> None:
   """A `DynamicLossScale`'s state; says what it keeps past its bounds."""
-  if not isinstance(ls, _loss_scale.DynamicLossScale):
+  if not isinstance(ls, DynamicLossScale):
     return
   shape = np.shape(_array(ls.current_loss_scale)) if shape is None else shape
-  tiny, big = np.finfo(np.float32).tiny, np.finfo(np.float32).max
+  read = _check_all(ls, jax.eval_shape(DynamicLossScale), path, shape)
   top = ls.max_loss_scale or np.inf
-  bounds: list[Any] = [  # valid under any hyperparameters; usual under these
-    ("current_loss_scale", (tiny, big), (ls.min_loss_scale, top), _MOVES),
-    ("num_good_steps", (0, np.inf), (0, ls.increment_period - 1), _GROWS),
-    ("num_bad_steps", (0, np.inf), (0, ls.hysteresis), _LOWERS),
-  ]
-  for name, valid, (low, high), then in bounds:
-    where = f"`{path}.{name}`"
-    dtype = _loss_scale.STATE_DTYPES[name]
-    values = _check(where, getattr(ls, name), dtype, shape, valid)
-    outside = np.zeros(0) if values is None else values
-    outside = outside[(outside < low) | (outside > high)]
+  usual = {  # under these hyperparameters; `_VALID` under any
+    "current_loss_scale": (ls.min_loss_scale, top, _MOVES),
+    "num_good_steps": (0, ls.increment_period - 1, _GROWS),
+    "num_bad_steps": (0, ls.hysteresis, _LOWERS),
+  }
+  for name, (low, high, then) in usual.items():
+    got = read[f".{name}"]
+    outside = np.zeros(0) if got is None else got[(got < low) | (got > high)]
     if len(outside):
       warnings.warn(
-        f"`check_state(tree)` kept {where} = {outside[0].item()!r}, outside"
-        f" [{low:g}, {high:g}] for these hyperparameters: {then}.",
+        f"`check_state(tree)` kept `{path}.{name}` = {outside[0].item()!r},"
+        f" outside [{low:g}, {high:g}] for these hyperparameters: {then}.",
         stacklevel=4,
       )
 
 
 def _check_optimizer_state(state: LossScaleOptimizerState, path: str) -> None:
+  """Each of `state`'s own arrays, then what relates them."""
   if not isinstance(state.loss_scale, LossScale):
-    got = _validation.describe(state.loss_scale)
-    raise TypeError(f"`{path}.loss_scale` must be a LossScale, got {got}.")
-  shape = np.shape(_array(state.should_apply))
-  for flag in ("should_apply", "stepped"):
-    _check(f"`{path}.{flag}`", getattr(state, flag), np.bool_, shape)
-  counts = {
-    name: _check(f"`{path}.{name}`", getattr(state, name), np.int32, shape)
-    for name in _COUNTERS
-  }
-  norm = _array(state.grad_norm)  # inf after an overflow
-  _validation.array_dtype(f"`{path}.grad_norm`", norm, np.float32)
+    raise _wrong_type(f"`{path}.loss_scale`", "a LossScale", state.loss_scale)
+  off = isinstance(state.spikes, tuple) and not state.spikes
+  want = _fresh(spike_sigmas=None if off else 1.0)
+  for field in ("last_skip", "last_nonfinite_write", "spikes"):
+    kind, got = type(getattr(want, field)), getattr(state, field)
+    if not isinstance(got, kind):
+      raise _wrong_type(f"`{path}.{field}`", f"a {kind.__name__}", got)
+  read = _check_all(state, want, path, np.shape(_array(state.should_apply)))
+  if not off:  # the window: norms and losses, written fewer than 2x its length
+    *_, rows, length = np.shape(_array(state.spikes.values))
+    if rows != 2:
+      raise ValueError(f"`{path}.spikes.values` must have 2 rows, got {rows}.")
+    written = _array(state.spikes.written)
+    _validation.in_range(f"`{path}.spikes.written`", written, 0, 2 * length - 1)
   for low, high in [
     ("consecutive_skipped_steps", "skipped_steps"),
     ("accumulated", "micro_step"),  # a window keeps what it has seen
   ]:
-    a, b = counts[low], counts[high]
+    a, b = read[f".{low}"], read[f".{high}"]
     if a is not None and b is not None and not (a <= b).all():
-      raise ValueError(
-        f"`{path}.{low}` must be at most `{high}`, got {a.tolist()} >"
-        f" {b.tolist()}."
-      )
-  for leaf in jax.tree.leaves(state.accumulator):  # a NaN would stay
-    values = _validation.host_values(_array(leaf))
-    if values is not None and np.isnan(values).any():
-      raise ValueError(
-        f"`{path}.accumulator` must hold no NaN: the window's mean would"
-        " stay NaN."
-      )
-  if not (isinstance(state.spikes, tuple) and not state.spikes):  # on
-    _check_spikes(state.spikes, f"{path}.spikes", shape)
-  _check_records(state, path, shape)
-
-
-def _check_spikes(window: Any, path: str, shape: Any) -> None:
-  """The spike rule's window: finite values, a count below twice its
-  length."""
-  if not isinstance(window, _spikes.SpikeWindow):
-    got = _validation.describe(window)
-    raise TypeError(f"`{path}` must be a SpikeWindow or (), got {got}.")
-  length = np.shape(_array(window.values))[-1]
-  big = float(np.finfo(np.float32).max)
-  finite = (-big, big)
-  _check(f"`{path}.values`", window.values, np.float32, shape, finite, axes=2)
-  _check(f"`{path}.loss_given`", window.loss_given, np.bool_, shape, axes=1)
-  if np.shape(_array(window.values))[-2:-1] != (2,):
-    raise ValueError(f"`{path}.values` must have 2 rows (norms, losses).")
-  _check(
-    f"`{path}.written`", window.written, np.int32, shape, (0, 2 * length - 1)
-  )
-  _check(f"`{path}.loss_sum`", window.loss_sum, np.float32, shape, finite)
-
-
-def _check_records(
-  state: LossScaleOptimizerState, path: str, shape: Any
-) -> None:
-  """The skip record and the write record: types, dtypes, shapes, ranges."""
-  records = {  # abstract: no transfer to a device (`jax.transfer_guard`)
-    "last_skip": jax.eval_shape(_states.SkipRecord.empty, np.float32(1), []),
-    "last_nonfinite_write": jax.eval_shape(_states.WriteRecord.empty, []),
-  }
-  for field, empty in records.items():
-    record = getattr(state, field)
-    if not isinstance(record, type(empty)):
-      raise TypeError(
-        f"`{path}.{field}` must be a {type(empty).__name__}, got"
-        f" {_validation.describe(record)}."
-      )
-    for name, want in vars(empty).items():  # `want`'s axes: per leaf, ...
-      where = f"`{path}.{field}.{name}`"
-      valid: tuple[float, float] = (-1 if name.endswith("step") else 0, np.inf)
-      valid = (-np.inf, np.inf) if name == "spike_stats" else valid  # a loss
-      value = getattr(record, name)
-      _check(where, value, want.dtype, shape, valid, axes=want.ndim)
-    raw = _validation.host_values(_array(state.last_skip.leaf_names))
-    names = None if raw is None else len(state.last_skip.names())
-    flags = np.shape(_array(record.nonfinite))
-    if names is not None and flags[-1:] != (names,):
-      raise ValueError(
-        f"`{path}.{field}.nonfinite` must hold one flag per leaf name"
-        f" ({names}), got shape {flags}."
-      )
+      got = f"{a.tolist()} > {b.tolist()}"
+      raise ValueError(f"`{path}.{low}` must be at most `{high}`, got {got}.")
+  # A NaN would stay: the mean of the window's micro-batches would be NaN.
+  values = map(host_values, jax.tree.leaves(state.accumulator))
+  if any(v is not None and np.isnan(v).any() for v in values):
+    raise ValueError(f"`{path}.accumulator` must hold no NaN, got a NaN.")
+  if read[".last_skip.leaf_names"] is not None:
+    names = len(state.last_skip.names())
+    for field in ("last_skip", "last_nonfinite_write"):
+      flags = np.shape(_array(getattr(state, field).nonfinite))
+      if flags[-1:] != (names,):
+        raise ValueError(
+          f"`{path}.{field}.nonfinite` must hold one flag per leaf name"
+          f" ({names}), got shape {flags}."
+        )
 
 
 def _walk(tree: Any, root: str) -> int:
