@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 
 
 class SpikeWindow(NamedTuple):
@@ -97,11 +98,9 @@ def entered(
   length = window.values.shape[-1]
   at = window.written % length
   written = window.written + 1
-  written = jnp.where(written >= 2 * length, written - length, written)
-  return window._replace(
-    values=jnp.where(finite, window.values.at[:, at].set(value), window.values),
-    loss_given=jnp.where(
-      finite, window.loss_given.at[at].set(loss_given), window.loss_given
-    ),
-    written=jnp.where(finite, written, window.written),
+  after = window._replace(
+    values=window.values.at[:, at].set(value),
+    loss_given=window.loss_given.at[at].set(loss_given),
+    written=jnp.where(written >= 2 * length, written - length, written),
   )
+  return optax.tree.where(finite, after, window)  # type: ignore[no-any-return]
