@@ -14,7 +14,6 @@ from optax_lossscale import _states, _validation
 
 __all__ = ["ConsecutiveSkipsError", "SkipMonitor", "SkipReport", "skip_reports"]
 
-_LOGGER = logging.getLogger("optax_lossscale")
 _LOSS = {None: "no loss given", True: "loss finite", False: "loss NON-FINITE"}
 
 
@@ -74,17 +73,15 @@ class SkipReport(NamedTuple):
   def __str__(self) -> str:
     member = "" if self.member is None else f"member {self.member}: "
     optimizer = ""
-    if self.optimizer_step is not None and self.optimizer_step != self.step:
+    if self.optimizer_step not in (None, self.step):
       optimizer = f" (optimizer step {self.optimizer_step})"
     cause = f"non-finite gradients: {_listed(self.nonfinite)}"
     if self.spike:  # under accumulation, beside an overflowed last one
       spikes = "; ".join(
-        f"{name} {value:.4g} > {threshold:.4g} (window mean {mean:.4g},"
-        f" std {std:.4g})"
-        for name, value, mean, std, threshold in self.spike
+        f"{name} {x:.4g} > {bound:.4g} (window mean {mean:.4g}, std {std:.4g})"
+        for name, x, mean, std, bound in self.spike
       )
-      largest = f"largest gradients: {_listed(self.largest)}"
-      spiked = f"spike: {spikes}; {largest}"
+      spiked = f"spike: {spikes}; largest gradients: {_listed(self.largest)}"
       cause = spiked if self.reason == "spike" else f"{cause}; {spiked}"
     return (
       f"{member}skipped step {self.step}{optimizer}"
@@ -132,10 +129,10 @@ def _on_host(call: str, opt_state: Any) -> tuple[Any, bool]:
       f"`{call}(opt_state)` reads the state on the host, between steps: call"
       " it outside `jit`, `vmap` and `scan`, on the state a step returned."
     )
-  multi = lambda x: isinstance(x, optax.MultiStepsState)  # noqa: E731
-  held = [x for x in jax.tree.leaves(opt_state, is_leaf=multi) if multi(x)]
-  found = lambda x: x is state  # noqa: E731
-  if any(map(found, jax.tree.leaves(held, is_leaf=found))):
+  # The leaves end at a MultiSteps state: one inside it is not among them.
+  stop = lambda x: isinstance(x, (optax.MultiStepsState, *types))  # noqa: E731
+  outer = jax.tree.leaves(opt_state, is_leaf=stop)
+  if not any(isinstance(x, types) for x in outer):
     raise ValueError(
       f"`{call}(opt_state)`: the LossScaleOptimizer is inside an"
       " `optax.MultiSteps`, whose accumulator keeps an overflowed"
@@ -155,9 +152,9 @@ def _on_host(call: str, opt_state: Any) -> tuple[Any, bool]:
   return jax.tree.map(rows, host, is_leaf=array), bool(skipped.ndim)
 
 
-def _flagged(names: Sequence[str], flags: np.ndarray) -> tuple[str, ...]:
-  """The names whose flag is set."""
-  return tuple(n for n, bad in zip(names, flags, strict=True) if bad)
+def _flagged(items: Sequence[Any], flags: np.ndarray) -> tuple[Any, ...]:
+  """The items whose flag is set."""
+  return tuple(x for x, on in zip(items, flags, strict=True) if on)
 
 
 def _reason(record: Any, m: int) -> str:
@@ -174,15 +171,10 @@ def _report(state: Any, m: int, batched: bool) -> SkipReport | None:
   record = state.last_skip
   if record.consecutive_skipped_steps[m] == 0:
     return None
-  names, reason = record.names(), _reason(record, m)
-  quantities = ("grad_norm", "loss")
-  spike = []
-  for i in np.flatnonzero(record.spiked[m]):
-    value, mean, std, threshold = (float(x) for x in record.spike_stats[m][i])
-    spike.append((quantities[i], value, mean, std, threshold))
-  norms = record.leaf_norms[m]
-  order = [i for i in np.argsort(-norms, kind="stable")[:3] if norms[i] > 0]
-  largest = tuple(names[i] for i in order)
+  names, norms = record.names(), record.leaf_norms[m]
+  order = np.argsort(-norms, kind="stable")[:3]
+  stats = record.spike_stats[m].tolist()  # value, mean, std, threshold
+  spikes = [("grad_norm", *stats[0]), ("loss", *stats[1])]
   return SkipReport(
     step=int(record.step[m]),
     loss_scale=float(record.loss_scale[m]),
@@ -192,39 +184,40 @@ def _report(state: Any, m: int, batched: bool) -> SkipReport | None:
     loss_finite=bool(record.loss_finite[m]) if record.loss_given[m] else None,
     nonfinite=_flagged(names, record.nonfinite[m]),
     member=m if batched else None,
-    reason=reason,
-    spike=tuple(spike),
-    largest=largest,
+    reason=_reason(record, m),
+    spike=_flagged(spikes, record.spiked[m]),
+    largest=tuple(names[i] for i in order if norms[i] > 0),
     optimizer_step=int(record.optimizer_step[m]),
     skipped_optimizer_steps=int(state.skipped_optimizer_steps[m]),
   )
 
 
+# The likely fix, by the reason for the last skip or else by where the scale
+# was (the text of `_stop`'s `where`).
 _FIXES = {
-  "loss": "the loss itself was not finite, which no loss scale fixes: check"
-  " the inputs (NaN or inf in the batch), the learning rate (a diverging"
-  " run), and float16 operations that overflow (softmax, LayerNorm"
+  "non-finite loss": "the loss itself was not finite, which no loss scale"
+  " fixes: check the inputs (NaN or inf in the batch), the learning rate (a"
+  " diverging run), and float16 operations that overflow (softmax, LayerNorm"
   " statistics, the loss: compute them in float32).",
-  "falling": "the scale was still falling: if it is settling, start from a"
-  " lower initial_loss_scale or allow more skips; if steps overflow at every"
-  " scale, check the inputs and the learning rate, or compute the layers"
-  " named above in float32.",
-  "spike": "Likely fix: a lasting shift becomes the window's mean within"
-  " spike_window steps, so a longer run of spikes is a run that diverges or"
-  " data that changed: check the learning rate and the batches, or raise"
-  " spike_sigmas.",
-  "floor": "check the inputs and the learning rate (a diverging run"
-  " overflows at any scale); or lower min_loss_scale; or compute the layers"
-  " named above in float32.",
+  "spike": "a lasting shift becomes the window's mean within spike_window"
+  " steps, so a longer run of spikes is a run that diverges or data that"
+  " changed: check the learning rate and the batches, or raise spike_sigmas.",
+  "above its floor": "the scale was still falling: if it is settling, start"
+  " from a lower initial_loss_scale or allow more skips; if steps overflow at"
+  " every scale, check the inputs and the learning rate, or compute the"
+  " layers named above in float32.",
+  "at its floor (min_loss_scale)": "check the inputs and the learning rate (a"
+  " diverging run overflows at any scale); or lower min_loss_scale; or"
+  " compute the layers named above in float32.",
 }
 
 
 def _write_message(state: Any, ms: list[int], batched: bool) -> str:
   """Which parameters of members `ms` an update made non-finite, and the fix."""
-  step = state.last_nonfinite_write.step[ms[0]]
+  write = state.last_nonfinite_write
+  step = write.step[ms[0]]
   member = f" (members {ms})" if batched else ""
-  names = state.last_skip.names()
-  bad = _flagged(names, state.last_nonfinite_write.nonfinite[ms[0]])
+  bad = _flagged(state.last_skip.names(), write.nonfinite[ms[0]])
   return (
     f"LossScaleOptimizer{member}: a skipped step was given non-finite"
     f" parameters: {_listed(bad)}. Step {step} (0-based), the last one"
@@ -236,8 +229,11 @@ def _write_message(state: Any, ms: list[int], batched: bool) -> str:
   )
 
 
-def _stop_message(state: Any, m: int, limit: int, batched: bool) -> str:
-  """What happened to member `m`, and the likely fix."""
+def _stop(
+  state: Any, m: int, limit: int, batched: bool
+) -> tuple[str, SkipReport | None]:
+  """The stop rule's message for member `m` (what happened, and the likely
+  fix), and its report."""
   report = _report(state, m, batched)
   member = f" (member {m})" if batched else ""
   head = (
@@ -246,20 +242,17 @@ def _stop_message(state: Any, m: int, limit: int, batched: bool) -> str:
     f" stopped making progress. The loss scale is now {state.loss_scale[m]:g}."
   )
   if report is None:
-    return f"{head} The state holds no record of the skipped steps."
-  if report.reason == "spike":
-    return (
-      f"{head} The last skipped step was a spike: {report}. {_FIXES['spike']}"
-    )
-  at_floor = bool(state.last_skip.at_floor[m])
+    return f"{head} The state holds no record of the skipped steps.", None
+  at_floor = state.last_skip.at_floor[m]
   where = "at its floor (min_loss_scale)" if at_floor else "above its floor"
   what = (
-    f" The last skipped step ran at loss scale {report.loss_scale:g}, {where}."
-    f" Leaves with non-finite gradients: {_listed(report.nonfinite)}."
+    f"ran at loss scale {report.loss_scale:g}, {where}. Leaves with non-finite"
+    f" gradients: {_listed(report.nonfinite)}."
   )
-  cause = "floor" if at_floor else "falling"
-  fix = _FIXES["loss" if report.loss_finite is False else cause]
-  return f"{head}{what} Likely fix: {fix}"
+  if report.reason == "spike":
+    what = f"was a spike: {report}."
+  fix = _FIXES.get(report.reason, _FIXES[where])
+  return f"{head} The last skipped step {what} Likely fix: {fix}", report
 
 
 def skip_reports(opt_state: Any) -> list[SkipReport]:
@@ -310,14 +303,7 @@ def skip_reports(opt_state: Any) -> list[SkipReport]:
 
 def _log_warning(report: SkipReport) -> None:
   """A warning of the `optax_lossscale` logger: `SkipMonitor`'s default."""
-  _LOGGER.warning("%s", report)
-
-
-def _changed(seen: np.ndarray, now: np.ndarray, start: int) -> np.ndarray:
-  """The members whose entries (the last axis of `now`) differ from those
-  `seen` (from `start` if `seen` holds another number of members)."""
-  seen = seen if seen.shape == now.shape else np.full_like(now, start)
-  return np.flatnonzero((now != seen).reshape(len(now), -1).any(axis=-1))
+  logging.getLogger("optax_lossscale").warning("%s", report)
 
 
 class SkipMonitor:
@@ -386,7 +372,7 @@ class SkipMonitor:
       )
     self.max_consecutive_skips = max_consecutive_skips
     self.log = log
-    self._seen = self._seen_write = np.zeros(0)  # no member yet
+    self._seen = np.zeros(0)  # no member yet
 
   def __call__(self, opt_state: Any) -> SkipReport | None:
     """Reads the state; logs and returns the new skips, or raises.
@@ -413,34 +399,27 @@ class SkipMonitor:
         several.
     """
     state, batched = _on_host("SkipMonitor", opt_state)
-    skipped, write = state.skipped_steps, state.last_nonfinite_write
-    # A skip is news if its record is not the one seen: its step and count
-    # (a count that went back, in a restored checkpoint, is news too).
-    record = np.stack([state.last_skip.step, skipped], axis=-1)
-    new = [int(m) for m in _changed(self._seen, record, start=-1)]
-    self._seen = record
-    found = (_report(state, m, batched) for m in new)
-    reports = [report for report in found if report is not None]
+    write, streak = state.last_nonfinite_write, state.consecutive_skipped_steps
+    # Per member, the last skip's step and count, and the last write's step,
+    # against those last seen (-1 at first, or for another number of
+    # members): one that differs is news (a count that went back, in a
+    # restored checkpoint, too).
+    now = np.stack([state.last_skip.step, state.skipped_steps, write.step], -1)
+    changed = now != (self._seen if self._seen.shape == now.shape else -1)
+    self._seen = now
+    new = np.flatnonzero(changed[:, :2].any(-1)).tolist()
+    reports = [r for m in new if (r := _report(state, m, batched)) is not None]
     if self.log is not None:
       for report in reports:
         self.log(report)
     # A write is news, or still the cause: every step since it skipped (a
     # run restored in this process that wrote it again included).
-    applied = state.steps - state.consecutive_skipped_steps - 1
-    current = (state.consecutive_skipped_steps > 0) & (write.step == applied)
-    changed = np.zeros(current.shape, bool)
-    changed[_changed(self._seen_write, write.step, start=-1)] = True
-    self._seen_write = write.step.copy()
-    bad = write.nonfinite.any(axis=-1)
-    wrote = np.flatnonzero((changed | current) & bad)
+    current = (streak > 0) & (write.step == state.steps - streak - 1)
+    wrote = np.flatnonzero((changed[:, 2] | current) & write.nonfinite.any(-1))
     if wrote.size:
       raise FloatingPointError(_write_message(state, wrote.tolist(), batched))
     limit = self.max_consecutive_skips
-    consecutive = state.consecutive_skipped_steps
-    worst = int(np.argmax(consecutive))
-    if limit is not None and consecutive[worst] >= limit:
-      raise ConsecutiveSkipsError(
-        _stop_message(state, worst, limit, batched),
-        _report(state, worst, batched),
-      )
-    return max(reports, key=lambda r: consecutive[r.member or 0], default=None)
+    worst = int(np.argmax(streak))
+    if limit is not None and streak[worst] >= limit:
+      raise ConsecutiveSkipsError(*_stop(state, worst, limit, batched))
+    return max(reports, key=lambda r: streak[r.member or 0], default=None)
