@@ -50,12 +50,11 @@ def overwritten_leaves(call: str, overwrite: Any, tree: Any) -> Any:
   """Per leaf of `tree`, whether the gradient overwrites it: bools."""
   rule = _in_overwrite_collection if overwrite is None else overwrite
   try:  # a function of the path, or a pytree of bools (or its prefix)
-    if callable(rule):
-      marks = jax.tree_util.tree_map_with_path(lambda p, _: rule(p), tree)
-    else:
-      marks = jax.tree.map(
-        lambda m, x: jax.tree.map(lambda _: m, x), rule, tree
-      )
+    marks = (
+      jax.tree_util.tree_map_with_path(lambda p, _: rule(p), tree)
+      if callable(rule)
+      else jax.tree.map(lambda m, x: jax.tree.map(lambda _: m, x), rule, tree)
+    )
   except ValueError as e:
     raise ValueError(
       f"`{call}`: `overwrite_with_gradient` must be a function or a pytree"
@@ -88,30 +87,27 @@ def check_structure(call: str, grads: Any, params: Any) -> None:
     return
   is_none = lambda x: x is None  # noqa: E731
   pairs = [tree_leaves_with_path(t, is_leaf=is_none) for t in (grads, params)]
-  keys = [[keystr(k) for k, _ in pair] for pair in pairs]
+  keys = [[keystr(k) or "<root>" for k, _ in pair] for pair in pairs]
   if keys[0] != keys[1]:
     odd = sorted(set(keys[0]) ^ set(keys[1]))[:3] or "the tree types"
     raise ValueError(
-      f"`{call}`: the gradients' and the parameters' structures differ"
-      f" (at {odd})."
+      f"`{call}`: the gradients' and parameters' structures differ (at {odd})."
     )
   for name, (_, g), (_, p) in zip(keys[0], *pairs, strict=True):
-    if g is None and p is None:  # Equinox's gradients of non-parameters
-      continue
-    if g is None:
-      problem = "is None, its parameter not"
+    if g is None:  # None for None: Equinox's gradients of non-parameters
+      problem = "" if p is None else "is None, its parameter not"
     elif np.shape(g) != np.shape(p):
       problem = f"has shape {np.shape(g)}, its parameter {np.shape(p)}"
     elif _numerics.varying_axes(g) - _numerics.varying_axes(p):
       problem = (
-        "varies across devices inside `shard_map` but its parameter does"
-        " not, so an applied and a skipped step would differ in type."
-        " Average the gradients first: `grads = jax.lax.pmean(grads,"
-        " axis_name)`"
+        "varies across devices inside `shard_map` but its parameter does not,"
+        " so an applied and a skipped step would differ in type. Average the"
+        " gradients first: `grads = jax.lax.pmean(grads, axis_name)`"
       )
     else:
-      continue
-    raise ValueError(f"`{call}`: the gradient at {name or '<root>'} {problem}.")
+      problem = ""
+    if problem:
+      raise ValueError(f"`{call}`: the gradient at {name} {problem}.")
 
 
 def check_minimize(call: str, fun: Any, params: Any) -> None:
@@ -148,23 +144,18 @@ def check_inputs(
   _states.check_like(call, state, dtypes)
   check_structure(call, grads, params)
   slots = state.last_skip.nonfinite.shape[-1]
-  paths = tree_leaves_with_path(like_grads(params), is_leaf=lambda x: x is None)
-  if params is None and grads is not None and slots:
-    count = len(jax.tree.leaves(grads, is_leaf=lambda x: x is None))
-    if count != slots:
-      raise ValueError(
-        f"`{call}`: the gradients have {count} leaves (None included),"
-        f" `init` had {slots}."
-      )
-  if params is None or not slots or len(paths) == slots:
+  what = "gradients" if params is None else "parameters"
+  tree = grads if params is None else like_grads(params)
+  paths = tree_leaves_with_path(tree, is_leaf=lambda x: x is None)
+  if tree is None or not slots or len(paths) == slots:
     return
-  # Not `init`'s leaves: the message names the parameters' subtrees.
+  # Not `init`'s leaves: the message names the subtrees.
   counts = collections.Counter(keystr(path[:1]) for path, _ in paths)
   fits = [k for k, n in counts.items() if n == slots]
   others = ", ".join(k for k in counts if fits and k != fits[0])
   hint = f"; pass {fits[0]} alone and keep {others} apart" if others else ""
   raise ValueError(
-    f"`{call}`: the parameters have {len(paths)} leaves"
+    f"`{call}`: the {what} have {len(paths)} leaves"
     f" ({', '.join(f'{k}: {n}' for k, n in counts.items())}), `init` had"
     f" {slots}{hint} (flax's `TrainState` trains `variables['params']` and"
     " carries the other collections)."

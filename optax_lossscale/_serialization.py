@@ -8,13 +8,13 @@ from typing import Any, cast
 import jax
 import numpy as np
 
-from optax_lossscale import _validation
 from optax_lossscale._loss_scale import (
   DynamicLossScale,
   FixedLossScale,
   LossScale,
   NoOpLossScale,
 )
+from optax_lossscale._validation import describe
 
 __all__ = ["deserialize", "register_loss_scale", "serialize"]
 
@@ -52,7 +52,7 @@ def register_loss_scale(cls: type[LossScale]) -> type[LossScale]:
   if not (isinstance(cls, type) and issubclass(cls, LossScale)):
     raise TypeError(
       "`register_loss_scale(cls)` takes a subclass of LossScale, got"
-      f" {_validation.describe(cls)}."
+      f" {describe(cls)}."
     )
   if (known := _CLASSES.setdefault(cls.__name__, cls)) is not cls:
     raise ValueError(
@@ -84,8 +84,7 @@ def serialize(loss_scale: LossScale) -> dict[str, Any]:
   """
   if not isinstance(loss_scale, LossScale):
     raise TypeError(
-      "`serialize(loss_scale)` takes a LossScale, got"
-      f" {type(loss_scale).__name__}."
+      f"`serialize(loss_scale)` takes a LossScale, got {describe(loss_scale)}."
     )
   return {
     "class_name": type(loss_scale).__name__,
@@ -129,8 +128,7 @@ def deserialize(config: dict[str, Any]) -> LossScale:
     raise TypeError(f"{where} takes a dict, got {type(config).__name__}.")
   # Keras' `serialize_keras_object` writes `module` and `registered_name` too;
   # they name Python modules, which are never imported here.
-  unknown = set(config) - {"class_name", "config", "module", "registered_name"}
-  if "class_name" not in config or "config" not in config or unknown:
+  if config.keys() - {"module", "registered_name"} != {"class_name", "config"}:
     raise ValueError(
       f"{where} takes a dict with the keys 'class_name' and 'config', got"
       f" the keys [{', '.join(sorted(map(repr, config)))}]."
@@ -148,7 +146,7 @@ def deserialize(config: dict[str, Any]) -> LossScale:
     return DynamicLossScale(initial, inner.get("dynamic_growth_steps", 2000))
   if not isinstance(name, str) or name not in _CLASSES:
     raise ValueError(
-      f"{where}: unknown loss scale class {_validation.describe(name)}; known:"
+      f"{where}: unknown loss scale class {describe(name)}; known:"
       f" {sorted(_CLASSES)}. Register your own with `register_loss_scale`."
     )
   return _CLASSES[name].from_config(inner)
@@ -168,7 +166,6 @@ def from_identifier(identifier: Any, where: str) -> LossScale:
   if isinstance(identifier, dict):
     return deserialize(identifier)
   raise ValueError(
-    f"`{where}` could not interpret the loss scale"
-    f" {_validation.describe(identifier)}: pass a number, 'dynamic', a"
-    " LossScale or a serialized dict."
+    f"`{where}` could not interpret the loss scale {describe(identifier)}:"
+    " pass a number, 'dynamic', a LossScale or a serialized dict."
   )

@@ -276,13 +276,10 @@ def check_like(call: str, state: Any, like: Any) -> None:
     )
   # Shaped by `inner`, the parameters or the settings: checked elsewhere.
   own = {"inner_state": None, "accumulator": (), "spikes": ()}
-  inner = {k: v for k, v in own.items() if k in state._fields}
-  leaves = jax.tree_util.tree_leaves_with_path
-  want = {
-    jax.tree_util.keystr(p): x.dtype
-    for p, x in leaves(like._replace(**{k: own[k] for k in inner}))
-  }
-  got = {jax.tree_util.keystr(p): x for p, x in leaves(state._replace(**inner))}
+  blank = {k: v for k, v in own.items() if k in state._fields}
+  flat = lambda s: jax.tree_util.tree_leaves_with_path(s._replace(**blank))  # noqa: E731
+  want = {jax.tree_util.keystr(p): x.dtype for p, x in flat(like)}
+  got = {jax.tree_util.keystr(p): x for p, x in flat(state)}
   if got.keys() != want.keys():
     raise TypeError(
       f"`{call}`: the state's fields {sorted(got.keys() ^ want.keys())[:4]}"

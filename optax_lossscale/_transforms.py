@@ -109,8 +109,7 @@ def unscale_gradients(
     finite = verdict.grads_finite
     if verdict.loss_finite is not None:
       finite &= verdict.loss_finite
-    unscaled = state.loss_scale.unscale(updates)
-    return unscaled, UnscaleGradientsState(
+    return state.loss_scale.unscale(updates), UnscaleGradientsState(
       loss_scale=new, should_apply=should_apply, finite=finite
     )
 

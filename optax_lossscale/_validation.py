@@ -23,6 +23,11 @@ def describe(value: Any) -> str:
   return text if text.startswith((name, f"np.{name}")) else f"{name} {text}"
 
 
+def must(kind: type[Exception], where: str, wanted: str, got: Any) -> Exception:
+  """A `kind` error saying that `where` must be `wanted` and what `got` is."""
+  return kind(f"{where} must be {wanted}, got {describe(got)}.")
+
+
 def scalar(call: str, name: str, value: Any) -> float:
   """`value` as a Python float, finite in float32, or raises naming it."""
   where = f"`{call}({name}=...)`"
@@ -34,15 +39,13 @@ def scalar(call: str, name: str, value: Any) -> float:
     isinstance(value, numbers.Real)
     or (np.ndim(value) == 0 and jnp.isdtype(dtype, real))
   ):
-    raise TypeError(f"{where} must be a real number, got {describe(value)}.")
+    raise must(TypeError, where, "a real number", value)
   try:
     result = float(value)
   except OverflowError:  # a Python int beyond float64
     result = np.inf
   if not abs(result) <= FLOAT32_MAX:
-    raise ValueError(
-      f"{where} must be finite in float32, got {describe(value)}."
-    )
+    raise must(ValueError, where, "finite in float32", value)
   return result
 
 
@@ -60,7 +63,7 @@ def integer(
   """`value` as a Python int in `[minimum, maximum]`, or raises."""
   where = f"`{call}({name}=...)`"
   if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-    raise TypeError(f"{where} must be an int, got {describe(value)}.")
+    raise must(TypeError, where, "an int", value)
   if not minimum <= int(value) <= maximum:
     raise ValueError(
       f"{where} must be an int in [{minimum}, {maximum}], got {value}."
@@ -71,9 +74,7 @@ def integer(
 def boolean(call: str, name: str, value: Any) -> bool:
   """`value` if it is a Python or NumPy bool, or raises."""
   if not isinstance(value, (bool, np.bool_)):
-    raise TypeError(
-      f"`{call}({name}=...)` must be a bool, got {describe(value)}."
-    )
+    raise must(TypeError, f"`{call}({name}=...)`", "a bool", value)
   return bool(value)
 
 
@@ -97,9 +98,8 @@ def host_values(value: Any) -> np.ndarray | None:
 
   An array spread over several processes is read from its local shards.
   """
-  if isinstance(value, jax.core.Tracer) or not isinstance(
-    value, (np.ndarray, np.generic, jax.Array, numbers.Number)
-  ):
+  concrete = (np.ndarray, np.generic, jax.Array, numbers.Number)
+  if isinstance(value, jax.core.Tracer) or not isinstance(value, concrete):
     return None
   if isinstance(value, jax.Array) and not value.is_fully_addressable:
     return np.concatenate([np.ravel(s.data) for s in value.addressable_shards])
@@ -113,7 +113,5 @@ def in_range(where: str, value: Any, low: float, high: float) -> None:
     return
   bad = data[~((data >= low) & (data <= high))]  # NaN included
   if bad.size:
-    bounds = (
-      f"at least {low:g}" if high == np.inf else f"in [{low:g}, {high:g}]"
-    )
-    raise ValueError(f"{where} must be {bounds}, got {bad.flat[0].item()!r}.")
+    span = f"in [{low:g}, {high:g}]" if high < np.inf else f"at least {low:g}"
+    raise ValueError(f"{where} must be {span}, got {bad.flat[0].item()!r}.")
