@@ -150,7 +150,7 @@ def check_inputs(
   if tree is None or not slots or len(paths) == slots:
     return
   # Not `init`'s leaves: the message names the subtrees.
-  counts = collections.Counter(keystr(path[:1]) for path, _ in paths)
+  counts = collections.Counter(keystr(p[:1]) or "<root>" for p, _ in paths)
   fits = [k for k, n in counts.items() if n == slots]
   others = ", ".join(k for k in counts if fits and k != fits[0])
   hint = f"; pass {fits[0]} alone and keep {others} apart" if others else ""
