@@ -49,18 +49,17 @@ def multiply_floats(
   """
 
   def leaf(x: Any) -> Any:
-    if x is None or not _numerics.is_float(x):
+    if not _numerics.is_float(x):
       return x
     x = jnp.asarray(x)
     if jnp.iscomplexobj(x):  # part by part: (inf + 0j) * (s + 0j) has a NaN
       return jax.lax.complex(leaf(jnp.real(x)), leaf(jnp.imag(x)))
-    wide = jnp.float32 if x.dtype.itemsize < 4 else x.dtype  # half: float32
-    product = x.astype(wide)
-    for two in twos:
-      product = product * two.astype(wide)
-    return (product * factor.astype(wide)).astype(x.dtype)
+    product = _numerics.wide(x)
+    for by in (*twos, factor):
+      product = product * by.astype(product.dtype)
+    return product.astype(x.dtype)
 
-  return jax.tree.map(leaf, tree, is_leaf=lambda x: x is None)
+  return jax.tree.map(leaf, tree)  # None is an empty subtree: it stays
 
 
 def reciprocal(scale: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
@@ -318,7 +317,6 @@ class _Initial:
 _INITIAL: Any = _Initial()
 _positive = functools.partial(integer, minimum=1)
 _TINY = float(np.finfo(np.float32).tiny)  # below it, a scale flushes to 0
-_TENSORFLOW_KEYS = ("initial_loss_scale", "increment_period", "multiplier")
 # The state fields of a `DynamicLossScale`, with their dtypes.
 STATE_DTYPES = {
   "current_loss_scale": np.dtype(np.float32),
@@ -409,19 +407,18 @@ class DynamicLossScale(LossScale):
     2.0 False
   """
 
-  # The hyperparameters, TensorFlow's first.
+  # The hyperparameters, TensorFlow's first (positional), then the state.
   initial_loss_scale: float = _static(scalar, default=2.0**15)
   increment_period: int = _static(_positive, default=2000)
   multiplier: float = _static(scalar, default=2.0)
-  min_loss_scale: float = _static(scalar, default=1.0, kw_only=True)
-  max_loss_scale: float | None = _static(scalar, default=None, kw_only=True)
-  hysteresis: int = _static(_positive, default=1, kw_only=True)
-  consecutive_hysteresis: bool = _static(boolean, default=False, kw_only=True)
-  current_loss_scale: jax.Array = dataclasses.field(
-    default=_INITIAL, kw_only=True
-  )
-  num_good_steps: jax.Array = dataclasses.field(default=_INITIAL, kw_only=True)
-  num_bad_steps: jax.Array = dataclasses.field(default=_INITIAL, kw_only=True)
+  _: dataclasses.KW_ONLY
+  min_loss_scale: float = _static(scalar, default=1.0)
+  max_loss_scale: float | None = _static(scalar, default=None)
+  hysteresis: int = _static(_positive, default=1)
+  consecutive_hysteresis: bool = _static(boolean, default=False)
+  current_loss_scale: jax.Array = _INITIAL
+  num_good_steps: jax.Array = _INITIAL
+  num_bad_steps: jax.Array = _INITIAL
 
   def __post_init__(self) -> None:
     # Also on every unflattening, with any leaves (tracers, shardings, None):
@@ -456,16 +453,14 @@ class DynamicLossScale(LossScale):
   def __call__(self) -> jax.Array:
     # A scale outside the bounds (restored into other ones) counts as the
     # nearest, and NaN as the floor.
-    top = FLOAT32_MAX if self.max_loss_scale is None else self.max_loss_scale
-    scale = jnp.minimum(self.current_loss_scale, jnp.float32(top))
+    top = jnp.float32(self.max_loss_scale or FLOAT32_MAX)
+    scale = jnp.minimum(self.current_loss_scale, top)
     return jnp.where(scale >= self.min_loss_scale, scale, self.min_loss_scale)
 
   def _backed_off(self) -> jax.Array:
     """The scale divided by `multiplier`, floored: TensorFlow's backoff."""
-    return jnp.maximum(
-      _numerics.exact_div(self(), jnp.float32(self.multiplier)),
-      jnp.float32(self.min_loss_scale),
-    )
+    scale = _numerics.exact_div(self(), jnp.float32(self.multiplier))
+    return jnp.maximum(scale, jnp.float32(self.min_loss_scale))
 
   def adjust(self, grads_finite: jax.Array) -> tuple[Self, jax.Array]:
     finite = jnp.asarray(grads_finite, jnp.bool_)
@@ -475,19 +470,15 @@ class DynamicLossScale(LossScale):
     raised = scale * jnp.float32(self.multiplier)
     # None is float32's maximum, so `raised <= top` is False for inf and NaN.
     top = jnp.float32(self.max_loss_scale or FLOAT32_MAX)
-    bad = jnp.minimum(jnp.asarray(self.num_bad_steps), self.hysteresis - 1) + 1
-    reset_bad = grow | self.consecutive_hysteresis
+    grown = jnp.where(grow & (raised <= top), raised, scale)
+    bad = jnp.minimum(self.num_bad_steps, self.hysteresis - 1) + 1
+    lowered = jnp.where(bad >= self.hysteresis, self._backed_off(), scale)
+    kept = jnp.where(grow | self.consecutive_hysteresis, 0, self.num_bad_steps)
     return dataclasses.replace(
       self,
-      current_loss_scale=jnp.where(
-        finite,
-        jnp.where(grow & (raised <= top), raised, scale),
-        jnp.where(bad >= self.hysteresis, self._backed_off(), scale),
-      ),
+      current_loss_scale=jnp.where(finite, grown, lowered),
       num_good_steps=jnp.where(finite & ~grow, good, 0).astype(jnp.int32),
-      num_bad_steps=jnp.where(
-        finite, jnp.where(reset_bad, 0, self.num_bad_steps), bad
-      ).astype(jnp.int32),
+      num_bad_steps=jnp.where(finite, kept, bad).astype(jnp.int32),
     ), finite
 
   def lowered(self) -> Self:
@@ -499,11 +490,12 @@ class DynamicLossScale(LossScale):
     )
 
   def get_config(self) -> dict[str, Any]:
-    # TensorFlow's three keys, then the others that are not their defaults:
-    # with TensorFlow's bounds, the config is exactly TensorFlow's.
+    # TensorFlow's three keys (the positional fields), then the others that
+    # are not their defaults: with TensorFlow's bounds, the config is exactly
+    # TensorFlow's.
     return {
       f.name: getattr(self, f.name)
       for f in dataclasses.fields(self)
-      if f.name in _TENSORFLOW_KEYS
+      if not f.kw_only
       or (f.metadata.get("static") and getattr(self, f.name) != f.default)
     }
