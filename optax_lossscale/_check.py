@@ -167,9 +167,10 @@ def check_state(tree: T) -> T:
   - every array has its field's dtype: float32 scales, int32 counters, bool
     flags, a uint8 `last_skip.leaf_names`;
   - every array has the leading shape of its state's `should_apply`;
-  - scales are finite and positive, counters non-negative,
-    `consecutive_skipped_steps <= skipped_steps`, `accumulated <=
-    micro_step`, and the accumulator holds no NaN;
+  - scales are finite and positive, counters and `grad_norm` non-negative
+    (`grad_norm` may be inf, never NaN), `consecutive_skipped_steps <=
+    skipped_steps`, `accumulated <= micro_step`, and the accumulator holds
+    no NaN;
   - the spike rule's window (`spikes`) holds finite values and a count below
     twice its length.
 

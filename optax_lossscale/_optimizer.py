@@ -179,8 +179,10 @@ class LossScaleOptimizer:
     max_norm: clip the unscaled gradients (under accumulation, the window's
       gradient) by their global norm, as `optax.clip_by_global_norm` first
       in `inner` would; None does not clip. Gradients that are not finite
-      (applied with `skip_nonfinite=False`), and a window whose norm is not
-      finite, are applied unclipped: 0 * inf would make a NaN.
+      (applied with `skip_nonfinite=False`; under accumulation, a window's
+      mean that is not) are applied unclipped: 0 * inf would make a NaN.
+      Finite gradients whose norm passes float32's range are clipped to 0,
+      as Optax's clip does.
     skip_nonfinite: skip non-finite steps even when the loss scale would
       apply them (`FixedLossScale`, `NoOpLossScale`). False gives
       TensorFlow's exact behaviour.
@@ -852,7 +854,7 @@ class LossScaleOptimizer:
   def _clip(self, norm: jax.Array, finite: jax.Array) -> jax.Array:
     """What clips gradients of global `norm` to `max_norm` (1 without it).
     Gradients that are not `finite` (applied with `skip_nonfinite=False`; a
-    window whose norm is not) are left as they are: 0 * inf is a NaN."""
+    window's mean that is not) are left as they are: 0 * inf is a NaN."""
     if self.max_norm is None:
       return jnp.ones((), jnp.float32)
     keep = (norm < self.max_norm) | ~finite
