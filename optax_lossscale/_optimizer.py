@@ -534,8 +534,10 @@ class LossScaleOptimizer:
 
     `attempt` is one of `minimize`'s retry attempts; None outside the retry
     loop, where the gradients are read here. An attempt that another
-    follows (`held`) writes nothing; that is folded into the one
-    conditional (a second would make XLA copy what the retry loop carries).
+    follows (`held`) writes nothing: it takes the conditional's skip branch,
+    which keeps the parameters and `inner`'s state (a second conditional
+    would make XLA copy what the retry loop carries), and a select keeps
+    the rest of the state.
     """
     step = self._prepare(call, grads, state, params, extra_args, fused, attempt)
     attempt = step.attempt
@@ -564,16 +566,16 @@ class LossScaleOptimizer:
         jnp.float32
       ),
       spikes=spikes,
+      last_nonfinite_write=wrote,
     )
-    # A held attempt changes only what the conditional returned.
+    # A held attempt writes nothing: its conditional kept `inner`'s state
+    # and the accumulator, and the rest is kept here.
     new = tree_where(
       attempt.held,
       state._replace(inner_state=None, accumulator=None),
       new._replace(inner_state=None, accumulator=None),
     )
-    return out, new._replace(
-      inner_state=inner, accumulator=accumulator, last_nonfinite_write=wrote
-    )
+    return out, new._replace(inner_state=inner, accumulator=accumulator)
 
   def _prepare(
     self,
@@ -768,7 +770,6 @@ class LossScaleOptimizer:
 
     def skip(params: Any, inner: Any, acc: Any, wrote: Any) -> Any:
       new = _write_record(state, params, self.axis_name)
-      new = tree_where(step.attempt.held, wrote, new)
       norms = none
       if self.spike_sigmas is not None:  # the leaves that carry a spike
         g = unscaled(base)
