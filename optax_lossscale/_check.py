@@ -15,7 +15,7 @@ from optax_lossscale import _loss_scale, _validation
 from optax_lossscale._loss_scale import DynamicLossScale, LossScale
 from optax_lossscale._optimizer import LossScaleOptimizer
 from optax_lossscale._states import LossScaleOptimizerState
-from optax_lossscale._validation import FLOAT32_MAX, describe, host_values
+from optax_lossscale._validation import FLOAT32_MAX, host_values, must
 
 __all__ = ["check_state"]
 
@@ -39,17 +39,17 @@ def _array(x: Any) -> Any:
   return leaves[0] if len(leaves) == 1 else x
 
 
-def _wrong_type(where: str, what: str, value: Any) -> TypeError:
-  """The error saying that `where` must be `what`, not `value`."""
-  return TypeError(f"{where} must be {what}, got {describe(value)}.")
-
-
-def _fresh(**kw: Any) -> Any:
-  """A state's own arrays as `init` makes them, abstract: their dtypes and
-  their axes past the state's. Nothing moves to a device (a check runs under
-  `jax.transfer_guard`); its loss scale, inner state and accumulator hold no
-  array (`_check_loss_scale` and the accumulator's check read those)."""
-  tx = LossScaleOptimizer(optax.identity(), _loss_scale.NoOpLossScale(), **kw)
+@functools.cache
+def _fresh(spikes: bool) -> Any:
+  """A state's own arrays as `init` makes them, with the spike rule's window
+  or without: abstract, their dtypes and their axes past the state's.
+  Nothing moves to a device (a check runs under `jax.transfer_guard`); its
+  loss scale, inner state and accumulator hold no array (`_check_loss_scale`
+  and the accumulator's check read those)."""
+  sigmas = 1.0 if spikes else None  # any window: only its axes are read
+  tx = LossScaleOptimizer(
+    optax.identity(), _loss_scale.NoOpLossScale(), spike_sigmas=sigmas
+  )
   return jax.eval_shape(tx.init, {})
 
 
@@ -63,7 +63,7 @@ def _check_all(node: Any, want: Any, path: str, shape: Any) -> dict[str, Any]:
     where = f"`{path}{name}`"
     value = _array(functools.reduce(getattr, [k.name for k in keys], node))
     if isinstance(value, numbers.Number) or value is None:
-      raise _wrong_type(where, f"an array of {like.dtype}", value)
+      raise must(TypeError, where, f"an array of {like.dtype}", value)
     _validation.array_dtype(where, value, like.dtype)
     has = np.shape(value)
     if has[: len(shape)] != shape or len(has) != len(shape) + like.ndim:
@@ -102,13 +102,15 @@ def _check_loss_scale(ls: LossScale, path: str, shape: Any) -> None:
 def _check_optimizer_state(state: LossScaleOptimizerState, path: str) -> None:
   """Each of `state`'s own arrays, then what relates them."""
   if not isinstance(state.loss_scale, LossScale):
-    raise _wrong_type(f"`{path}.loss_scale`", "a LossScale", state.loss_scale)
+    got = state.loss_scale
+    raise must(TypeError, f"`{path}.loss_scale`", "a LossScale", got)
   off = isinstance(state.spikes, tuple) and not state.spikes
-  want = _fresh(spike_sigmas=None if off else 1.0)
+  want = _fresh(not off)
   for field in ("last_skip", "last_nonfinite_write", "spikes"):
     kind, got = type(getattr(want, field)), getattr(state, field)
     if not isinstance(got, kind):
-      raise _wrong_type(f"`{path}.{field}`", f"a {kind.__name__}", got)
+      what = f"a {kind.__name__}" + (" or ()" if field == "spikes" else "")
+      raise must(TypeError, f"`{path}.{field}`", what, got)
   read = _check_all(state, want, path, np.shape(_array(state.should_apply)))
   if not off:  # the window: norms and losses, written fewer than 2x its length
     *_, rows, length = np.shape(_array(state.spikes.values))
@@ -127,7 +129,10 @@ def _check_optimizer_state(state: LossScaleOptimizerState, path: str) -> None:
   # A NaN would stay: the mean of the window's micro-batches would be NaN.
   values = map(host_values, jax.tree.leaves(state.accumulator))
   if any(v is not None and np.isnan(v).any() for v in values):
-    raise ValueError(f"`{path}.accumulator` must hold no NaN, got a NaN.")
+    raise ValueError(
+      f"`{path}.accumulator` must hold no NaN: the window's mean would stay"
+      " NaN."
+    )
   if read[".last_skip.leaf_names"] is not None:
     names = len(state.last_skip.names())
     for field in ("last_skip", "last_nonfinite_write"):

@@ -144,7 +144,7 @@ def check_inputs(
   _states.check_like(call, state, dtypes)
   check_structure(call, grads, params)
   slots = state.last_skip.nonfinite.shape[-1]
-  what = "gradients" if params is None else "parameters"
+  what = "gradients (None included)" if params is None else "parameters"
   tree = grads if params is None else like_grads(params)
   paths = tree_leaves_with_path(tree, is_leaf=lambda x: x is None)
   if tree is None or not slots or len(paths) == slots:
@@ -154,9 +154,13 @@ def check_inputs(
   fits = [k for k, n in counts.items() if n == slots]
   others = ", ".join(k for k in counts if fits and k != fits[0])
   hint = f"; pass {fits[0]} alone and keep {others} apart" if others else ""
+  if params is not None:
+    hint += (
+      " (flax's `TrainState` trains `variables['params']` and carries the"
+      " other collections)"
+    )
   raise ValueError(
     f"`{call}`: the {what} have {len(paths)} leaves"
     f" ({', '.join(f'{k}: {n}' for k, n in counts.items())}), `init` had"
-    f" {slots}{hint} (flax's `TrainState` trains `variables['params']` and"
-    " carries the other collections)."
+    f" {slots}{hint}."
   )

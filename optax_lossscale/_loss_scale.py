@@ -317,6 +317,7 @@ class _Initial:
 _INITIAL: Any = _Initial()
 _positive = functools.partial(integer, minimum=1)
 _TINY = float(np.finfo(np.float32).tiny)  # below it, a scale flushes to 0
+_TENSORFLOW_KEYS = ("initial_loss_scale", "increment_period", "multiplier")
 # The state fields of a `DynamicLossScale`, with their dtypes.
 STATE_DTYPES = {
   "current_loss_scale": np.dtype(np.float32),
@@ -407,7 +408,7 @@ class DynamicLossScale(LossScale):
     2.0 False
   """
 
-  # The hyperparameters, TensorFlow's first (positional), then the state.
+  # The hyperparameters, TensorFlow's first, then the state.
   initial_loss_scale: float = _static(scalar, default=2.0**15)
   increment_period: int = _static(_positive, default=2000)
   multiplier: float = _static(scalar, default=2.0)
@@ -453,8 +454,8 @@ class DynamicLossScale(LossScale):
   def __call__(self) -> jax.Array:
     # A scale outside the bounds (restored into other ones) counts as the
     # nearest, and NaN as the floor.
-    top = jnp.float32(self.max_loss_scale or FLOAT32_MAX)
-    scale = jnp.minimum(self.current_loss_scale, top)
+    top = FLOAT32_MAX if self.max_loss_scale is None else self.max_loss_scale
+    scale = jnp.minimum(self.current_loss_scale, jnp.float32(top))
     return jnp.where(scale >= self.min_loss_scale, scale, self.min_loss_scale)
 
   def _backed_off(self) -> jax.Array:
@@ -490,12 +491,11 @@ class DynamicLossScale(LossScale):
     )
 
   def get_config(self) -> dict[str, Any]:
-    # TensorFlow's three keys (the positional fields), then the others that
-    # are not their defaults: with TensorFlow's bounds, the config is exactly
-    # TensorFlow's.
+    # TensorFlow's three keys, then the others that are not their defaults:
+    # with TensorFlow's bounds, the config is exactly TensorFlow's.
     return {
       f.name: getattr(self, f.name)
       for f in dataclasses.fields(self)
-      if not f.kw_only
+      if f.name in _TENSORFLOW_KEYS
       or (f.metadata.get("static") and getattr(self, f.name) != f.default)
     }

@@ -48,6 +48,19 @@ class _Step(NamedTuple):
   attempt: _retry.Attempt  # the scale and the verdict of its gradients
 
 
+class _Written(NamedTuple):
+  """What the conditional returns besides its output: `inner`'s state, the
+  accumulator and the write record after the branch taken, the norm (when
+  `inner` steps under accumulation, the window's) and, on a spike, each
+  leaf's norm."""
+
+  inner_state: Any
+  accumulator: Any
+  last_nonfinite_write: WriteRecord
+  norm: jax.Array
+  leaf_norms: jax.Array
+
+
 class _Window(NamedTuple):
   """Where a call falls in its accumulation window, and the branch it takes:
   0 skips, 1 steps (with accumulation: 1 accumulates, 2 steps)."""
@@ -541,6 +554,8 @@ class LossScaleOptimizer:
     """
     step = self._prepare(call, grads, state, params, extra_args, fused, attempt)
     attempt = step.attempt
+    # The verdict at the attempt's scale (outside the retry loop, the
+    # state's); `_new_state` moves the state's scale.
     should_apply = decide(
       attempt.loss_scale, attempt.verdict, self.skip_nonfinite
     )[1]
@@ -549,7 +564,7 @@ class LossScaleOptimizer:
     blocked = attempt.held | spike.found  # no step, whatever the window kept
     window = self._window(state, applied & ~attempt.held, blocked)
     try:  # `inner` reads its state here
-      out, inner, accumulator, wrote, norm, norms = _cond.switch(
+      out, written = _cond.switch(
         window.branch,
         self._branches(step, should_apply, spike),
         params,
@@ -561,21 +576,7 @@ class LossScaleOptimizer:
     except Exception as error:
       self._foreign(call, step, error)
       raise
-    new = self._counted(step, applied, window, spike, norms)._replace(
-      grad_norm=jnp.where(spike.found, spike.stats[0, 0], norm).astype(
-        jnp.float32
-      ),
-      spikes=spikes,
-      last_nonfinite_write=wrote,
-    )
-    # A held attempt writes nothing: its conditional kept `inner`'s state
-    # and the accumulator, and the rest is kept here.
-    new = tree_where(
-      attempt.held,
-      state._replace(inner_state=None, accumulator=None),
-      new._replace(inner_state=None, accumulator=None),
-    )
-    return out, new._replace(inner_state=inner, accumulator=accumulator)
+    return out, self._new_state(step, applied, window, spike, spikes, written)
 
   def _prepare(
     self,
@@ -608,35 +609,39 @@ class LossScaleOptimizer:
       attempt=attempt,
     )
 
-  def _counted(
+  def _new_state(
     self,
     step: _Step,
     should_apply: jax.Array,
     window: _Window,
     spike: _spikes.Spike,
-    norms: jax.Array,
+    spikes: Any,
+    written: _Written,
   ) -> State:
-    """The state's loss scale, counters and skip record after a step;
-    `spike` is the rule's verdict, `norms` each leaf's norm on a spike.
+    """The state after a step: `should_apply` whether it applied, `window`
+    where it fell, `spike` the rule's verdict and `spikes` its window after
+    it, `written` what the conditional returned.
 
     The scale moves as for the batch's first attempt: a retried batch as
     one overflowed step would. A kept micro-batch of an open window holds
     it. The record's scale is the step's; the attempt's says whether the
-    scale reached its floor.
+    scale reached its floor. A held attempt writes nothing: its conditional
+    kept `inner`'s state and the accumulator, and a select keeps the rest.
     """
-    state, (tried, verdict, retries, _) = step.state, step.attempt
-    first = retries == 0
+    state, attempt = step.state, step.attempt
+    verdict, first = attempt.verdict, attempt.retries == 0
     as_first = verdict._replace(grads_finite=verdict.grads_finite & first)
     moved = decide(state.loss_scale, as_first, self.skip_nonfinite)[0]
     hold = should_apply & ~window.closes & first
     loss_scale = tree_where(hold, _held(state.loss_scale), moved)
     loss_finite, lowered, skipped = (
       verdict.loss_finite,
-      tried.lowered(),
+      attempt.loss_scale.lowered(),
       ~should_apply,
     )
     consecutive = optax.safe_increment(state.consecutive_skipped_steps)
     slots = state.last_skip.nonfinite.shape[-1]  # none after `init(None)`
+    at_floor = lowered() >= attempt.loss_scale() if lowered else True
     record = dataclasses.replace(
       state.last_skip,
       step=state.steps,
@@ -645,29 +650,41 @@ class LossScaleOptimizer:
       consecutive_skipped_steps=consecutive,
       loss_given=jnp.array(loss_finite is not None),
       loss_finite=jnp.array(True) if loss_finite is None else loss_finite,
-      at_floor=jnp.array(True) if lowered is None else lowered() >= tried(),
+      at_floor=jnp.asarray(at_floor),
       nonfinite=~verdict.flags[:slots],
       spiked=spike.spiked,
       spike_stats=jnp.where(spike.found, spike.stats, 0),
-      leaf_norms=norms,
+      leaf_norms=written.leaf_norms,
       optimizer_step=state.steps // self.gradient_accumulation_steps,
     )
     loss_failed = False if loss_finite is None else ~loss_finite
-    return state._replace(
+    norm = written.norm.astype(jnp.float32)
+    new = state._replace(
       loss_scale=loss_scale,
       should_apply=should_apply,
       skipped_steps=_count(state.skipped_steps, skipped),
       consecutive_skipped_steps=jnp.where(skipped, consecutive, 0),
       nonfinite_loss_steps=_count(state.nonfinite_loss_steps, loss_failed),
-      retries=state.retries + retries,
+      retries=state.retries + attempt.retries,
       last_skip=tree_where(skipped, record, state.last_skip),
       steps=optax.safe_increment(state.steps),
+      last_nonfinite_write=written.last_nonfinite_write,
+      grad_norm=jnp.where(spike.found, spike.stats[0, 0], norm),
       accumulated=window.accumulated,
       stepped=window.stepped,
       micro_step=window.micro_step,
       skipped_optimizer_steps=_count(
         state.skipped_optimizer_steps, window.closes & ~window.stepped
       ),
+      spikes=spikes,
+    )
+    new = tree_where(
+      attempt.held,
+      state._replace(inner_state=None, accumulator=None),
+      new._replace(inner_state=None, accumulator=None),
+    )
+    return new._replace(  # type: ignore[no-any-return]
+      inner_state=written.inner_state, accumulator=written.accumulator
     )
 
   def _foreign(self, call: str, step: _Step, error: Exception) -> None:
@@ -697,9 +714,10 @@ class LossScaleOptimizer:
       self._dtypes.spikes,
     )
     empty = isinstance(state.accumulator, tuple) and not state.accumulator
+    shaped = lambda w: (jax.tree.structure(w), jax.tree.map(jnp.shape, w))  # noqa: E731
     if empty == (k > 1):
       field, setting = "accumulator", f"gradient_accumulation_steps={k}"
-    elif jax.tree.map(jnp.shape, state.spikes) != jax.tree.map(jnp.shape, like):
+    elif shaped(state.spikes) != shaped(like):
       field, setting = "spikes", "the spike rule off"
       if sigmas is not None:
         setting = f"spike_sigmas={sigmas}, spike_window={self.spike_window}"
@@ -716,25 +734,34 @@ class LossScaleOptimizer:
       " run)."
     )
 
+  def _open(self, state: State) -> tuple[jax.Array, jax.Array]:
+    """The open window's next position and how many micro-batches it kept.
+    Without accumulation none is open, whatever a state restored from an
+    accumulating run holds."""
+    if self.gradient_accumulation_steps == 1:
+      return jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
+    return state.micro_step, state.accumulated
+
   def _window(
     self, state: State, keeps: jax.Array, blocked: jax.Array
   ) -> _Window:
     """The branch this call takes, and the window's counters after it.
 
-    `keeps` is whether this call's gradients are kept; a `blocked` call
-    does not step (a spike, or a held attempt: the retry that follows it
-    may close the window). Without accumulation, every window is one call
-    long.
+    `keeps` is whether this call's gradients are kept (the spike rule's
+    verdict given); a `blocked` call does not step (a spike, or a held
+    attempt: the retry that follows it may close the window). Without
+    accumulation, every window is one call long.
     """
     k = self.gradient_accumulation_steps
-    closes = state.micro_step + 1 >= k
-    count = state.accumulated + keeps.astype(jnp.int32)
+    position, accumulated = self._open(state)
+    closes = position + 1 >= k
+    count = accumulated + keeps.astype(jnp.int32)
     stepped = closes & (count > 0) & ~blocked
     return _Window(
       branch=jnp.where(stepped, 2 if k > 1 else 1, keeps.astype(jnp.int32)),
       closes=closes,
       stepped=stepped,
-      micro_step=jnp.where(closes, 0, state.micro_step + 1),
+      micro_step=jnp.where(closes, 0, position + 1),
       accumulated=jnp.where(closes, 0, count),
     )
 
@@ -746,8 +773,7 @@ class LossScaleOptimizer:
   ) -> list[Callable[..., Any]]:
     """The branches: skip, (accumulate,) step. Each takes the parameters,
     `inner`'s state, the accumulator and the write record, and returns the
-    output, the three states, the norm (when `inner` steps under
-    accumulation, the window's) and, on a spike, each leaf's norm. The skip
+    output and what it `_Written`. The skip
     stays branch 0, which XLA passes donated buffers through uncopied
     (jax#39449; tests/test_accelerator_ready.py)."""
     accumulating = self.gradient_accumulation_steps > 1
@@ -776,12 +802,14 @@ class LossScaleOptimizer:
         if accumulating:  # the window's
           g = self._mean(state, acc, g, should_apply)
         norms = jnp.where(spike.found, self._leaf_norms(g)[:slots], none)
-      return output(params, None, False), inner, acc, new, verdict.norm, norms
+      return output(params, None, False), _Written(
+        inner, acc, new, verdict.norm, norms
+      )
 
     def accumulate(params: Any, inner: Any, acc: Any, wrote: Any) -> Any:
       acc = self._mean(state, acc, unscaled(), should_apply)
       out = output(params, None, should_apply)
-      return out, inner, acc, wrote, verdict.norm, none
+      return out, _Written(inner, acc, wrote, verdict.norm, none)
 
     def apply(params: Any, inner: Any, acc: Any, wrote: Any) -> Any:
       g, norm = unscaled(), verdict.norm
@@ -794,7 +822,7 @@ class LossScaleOptimizer:
       trained = without_overwritten(step.overwritten, params)
       updates, inner = update(g, inner, trained)
       out = output(params, updates, should_apply)
-      return out, inner, acc, wrote, norm, none
+      return out, _Written(inner, acc, wrote, norm, none)
 
     return [skip, accumulate, apply] if accumulating else [skip, apply]
 
@@ -826,8 +854,8 @@ class LossScaleOptimizer:
 
     A step is judged by its norm and loss; under accumulation, a window at
     its end, by its mean gradient's norm and its micro-batches' mean loss.
-    `kept` is whether this call's gradients are kept. Off, no spike, and the
-    window stays `()`.
+    `kept` is whether this call's gradients are kept, the rule aside. Off,
+    no spike, and the window stays `()`.
     """
     state, k = step.state, self.gradient_accumulation_steps
     if self.spike_sigmas is None:
@@ -837,9 +865,11 @@ class LossScaleOptimizer:
     window, norm = state.spikes, step.attempt.verdict.norm
     given = step.extra_args.get("value")
     loss = jnp.zeros(()) if given is None else jnp.mean(given)
-    closes = state.micro_step + 1 >= k
-    count = state.accumulated + kept.astype(jnp.int32)
-    total = window.loss_sum + jnp.where(kept, loss.astype(jnp.float32), 0)
+    position, accumulated = self._open(state)
+    closes = position + 1 >= k
+    count = accumulated + kept.astype(jnp.int32)
+    loss_sum = window.loss_sum if k > 1 else jnp.zeros((), jnp.float32)
+    total = loss_sum + jnp.where(kept, loss.astype(jnp.float32), 0)
     loss = total / jnp.maximum(count, 1).astype(jnp.float32)
     if k > 1:  # the window's mean gradient: one more read
       g = _unscaled(step, *reciprocal(step.attempt.loss_scale()))

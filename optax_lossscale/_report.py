@@ -193,7 +193,7 @@ def _report(state: Any, m: int, batched: bool) -> SkipReport | None:
 
 
 # The likely fix, by the reason for the last skip or else by where the scale
-# was (the text of `_stop`'s `where`).
+# was: at its floor, or falling above it.
 _FIXES = {
   "non-finite loss": "the loss itself was not finite, which no loss scale"
   " fixes: check the inputs (NaN or inf in the batch), the learning rate (a"
@@ -202,11 +202,11 @@ _FIXES = {
   "spike": "a lasting shift becomes the window's mean within spike_window"
   " steps, so a longer run of spikes is a run that diverges or data that"
   " changed: check the learning rate and the batches, or raise spike_sigmas.",
-  "above its floor": "the scale was still falling: if it is settling, start"
+  "falling": "the scale was still falling: if it is settling, start"
   " from a lower initial_loss_scale or allow more skips; if steps overflow at"
   " every scale, check the inputs and the learning rate, or compute the"
   " layers named above in float32.",
-  "at its floor (min_loss_scale)": "check the inputs and the learning rate (a"
+  "floor": "check the inputs and the learning rate (a"
   " diverging run overflows at any scale); or lower min_loss_scale; or"
   " compute the layers named above in float32.",
 }
@@ -251,7 +251,7 @@ def _stop(
   )
   if report.reason == "spike":
     what = f"was a spike: {report}."
-  fix = _FIXES.get(report.reason, _FIXES[where])
+  fix = _FIXES.get(report.reason, _FIXES["floor" if at_floor else "falling"])
   return f"{head} The last skipped step {what} Likely fix: {fix}", report
 
 

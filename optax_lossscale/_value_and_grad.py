@@ -70,7 +70,9 @@ def scaled_value_and_grad(
     )
   _validation.boolean("scaled_value_and_grad", "has_aux", has_aux)
 
-  def grad_fn(opt_state: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+  def value_and_scaled_grad(
+    opt_state: Any, *args: Any, **kwargs: Any
+  ) -> tuple[Any, Any]:
     loss_scale = opt_state
     if not isinstance(opt_state, LossScale):
       where = "`scaled_value_and_grad(fun)(opt_state, params, ...)`: the first"
@@ -100,4 +102,4 @@ def scaled_value_and_grad(
     grads, value = jax.grad(scaled, argnums, has_aux=True)(*args, **kwargs)
     return value, grads
 
-  return grad_fn
+  return value_and_scaled_grad

@@ -658,3 +658,40 @@ def test_a_window_whose_norm_overflows_is_clipped_as_optax_clips_it():
       params, state = jax.jit(tx.apply_gradients)(grads, state, params)
     assert bool(state.stepped) and float(state.grad_norm) == np.inf
     np.testing.assert_array_equal(params["w"], [0.0, 0.0])
+
+
+def test_a_state_resumed_without_accumulation_ignores_the_open_window():
+  # A checkpoint taken mid-window, resumed with gradient_accumulation_steps=1
+  # by replacing the accumulator alone: no window is open any more, so an
+  # overflow is skipped (not applied as the window's end) and the first
+  # step is judged on its own, the rule's loss included.
+  params = {"w": jnp.ones(2)}
+  old, new = (
+    ols.LossScaleOptimizer(
+      optax.sgd(0.1),
+      ols.DynamicLossScale(8.0),
+      gradient_accumulation_steps=k,
+      spike_sigmas=6.0,
+      spike_window=4,
+    )
+    for k in (4, 1)
+  )
+  state = old.init(params)
+  for _ in range(2):
+    _, state = old.apply_gradients(
+      {"w": jnp.full(2, 8.0)}, state, params, value=jnp.float32(1e6)
+    )
+  assert int(state.accumulated) == 2 and float(state.spikes.loss_sum) > 0
+  state = state._replace(accumulator=new.init(params).accumulator)
+  step = jax.jit(new.apply_gradients)
+  bad = {"w": jnp.array([jnp.inf, 8.0])}
+  kept, state = step(bad, state, params, value=jnp.float32(1.0))
+  chex.assert_trees_all_equal(kept, params)
+  assert not bool(state.should_apply) and not bool(state.stepped)
+  assert int(state.accumulated) == 0 and int(state.micro_step) == 0
+  for _ in range(3):
+    params, state = step(
+      {"w": jnp.full(2, 8.0)}, state, params, value=jnp.float32(1.0)
+    )
+    assert bool(state.stepped) and float(state.spikes.loss_sum) == 0.0
+  np.testing.assert_allclose(params["w"], 1.0 - 3 * 0.1 * 8.0 / 4.0)

@@ -238,6 +238,13 @@ def test_a_state_of_other_settings_is_refused_by_name(other):
     _tx(**other).apply_gradients(_grads(0), _tx().init(_params()), _params())
 
 
+def test_a_window_rebuilt_as_a_plain_tuple_is_refused_by_name():
+  state = _tx().init(_params())
+  state = state._replace(spikes=tuple(state.spikes))
+  with pytest.raises(TypeError, match="spikes.*spike_window=8"):
+    _tx().apply_gradients(_grads(0), state, _params())
+
+
 def test_a_run_of_spikes_stops_with_the_spike_advice():
   tx, step = _stepper()
   params, state = _params(), tx.init(_params())
