@@ -596,3 +596,18 @@ def test_check_state_refuses_an_impossible_accumulation_window():
   nan = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), state.accumulator)
   with pytest.raises(ValueError, match=r"`tree.accumulator` must hold no NaN"):
     ols.check_state(state._replace(accumulator=nan))
+
+
+def test_check_state_checks_grad_norm_as_the_step_writes_it():
+  # inf after an overflow, never NaN (the step writes inf for a NaN), never
+  # negative; float32 and of the state's shape.
+  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale())
+  state = tx.init(PARAMS)
+  ols.check_state(state._replace(grad_norm=jnp.float32(jnp.inf)))
+  for bad in (jnp.nan, -1.0):
+    with pytest.raises(ValueError, match=r"`tree.grad_norm` must be at least"):
+      ols.check_state(state._replace(grad_norm=jnp.float32(bad)))
+  with pytest.raises(ValueError, match=r"`tree.grad_norm` must have the"):
+    ols.check_state(state._replace(grad_norm=jnp.zeros(3, jnp.float32)))
+  with pytest.raises(TypeError, match=r"`tree.grad_norm` must be float32"):
+    ols.check_state(state._replace(grad_norm=jnp.float16(1.0)))
