@@ -77,6 +77,16 @@ def check_loss_scale(call: str, loss_scale: Any) -> None:
     raise TypeError(f"`{call}(loss_scale=...)` must be a LossScale, got {got}.")
 
 
+def check_loss_name(call: str, extra_args: dict[str, Any]) -> None:
+  """Raises a `TypeError` if the loss is given as `loss=`, which only
+  `inner` would receive, and not as `value=`, which the checks read."""
+  if "loss" in extra_args and "value" not in extra_args:
+    raise TypeError(
+      f"`{call}(..., loss=...)`: pass the loss as `value=` (Optax's name),"
+      " which the checks read; `inner` is given it too."
+    )
+
+
 def check_structure(call: str, grads: Any, params: Any) -> None:
   """Raises a `ValueError` naming the leaf where `grads` and `params` differ.
 

@@ -395,7 +395,8 @@ class LossScaleOptimizer:
         had, naming its subtrees; or if, inside `shard_map`, the gradients
         vary across devices where the state does not.
       TypeError: if `state` is not a `LossScaleOptimizerState`, or a field
-        of it was cast to another dtype (naming it), at trace time; or if
+        of it was cast to another dtype (naming it), at trace time; if the
+        loss is given as `loss=` rather than `value=`; or if
         the step fails on an `inner_state` that is not of the structure
         `init` gives (another optimizer's state).
     """
@@ -589,6 +590,7 @@ class LossScaleOptimizer:
     attempt: _retry.Attempt | None,
   ) -> _Step:
     """Checks a step's inputs; reads the gradients outside the retry loop."""
+    _inputs.check_loss_name(call, extra_args)
     _inputs.check_inputs(call, grads, state, params, self._dtypes)
     self._check_shaped(call, state)
     overwritten = self._overwritten(call, grads)

@@ -62,7 +62,8 @@ def unscale_gradients(
   Raises:
     TypeError: if `loss_scale` is not a `LossScale`. Its `update` raises
       ValueError when `params` are given and the gradients differ from them
-      in structure or a leaf's shape (naming the leaf).
+      in structure or a leaf's shape (naming the leaf), and TypeError when
+      the loss is given as `loss=` rather than `value=`.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -102,6 +103,7 @@ def unscale_gradients(
     **extra_args: Any,
   ) -> tuple[optax.Updates, UnscaleGradientsState]:
     check_like(call, state, jax.eval_shape(init_fn, None))
+    _inputs.check_loss_name(call, extra_args)
     _inputs.check_structure(call, updates, params)
     value = extra_args.get("value")
     verdict = read(call, state.loss_scale, updates, value, axis_name)

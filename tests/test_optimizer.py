@@ -1720,3 +1720,19 @@ def test_float64_steps_run_under_strict_promotion(entry, spike_sigmas):
     np.testing.assert_allclose(new["w"], [-0.6, -0.8], rtol=1e-12)
     assert state.grad_norm.dtype == jnp.float32
     assert float(state.grad_norm) == pytest.approx(5.0)
+
+
+def test_a_loss_passed_as_loss_is_refused_with_the_name_to_use():
+  # `loss=` would reach `inner` alone: no check would read it.
+  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale())
+  params = _params()
+  state = tx.init(params)
+  grads = jax.tree.map(jnp.ones_like, params)
+  for entry in (tx.update, tx.apply_gradients):
+    with pytest.raises(TypeError, match=r"loss=.*pass the loss as `value=`"):
+      entry(grads, state, params, loss=jnp.float32(jnp.nan))
+  # Given both, `loss=` is `inner`'s own argument.
+  _, state = tx.apply_gradients(
+    grads, state, params, value=jnp.float32(jnp.nan), loss=jnp.float32(1.0)
+  )
+  assert int(state.nonfinite_loss_steps) == 1
