@@ -46,7 +46,9 @@ class SkipReport(NamedTuple):
     largest: on a spike, the names of the leaves with the largest gradient
       norms, largest first (at most three); empty otherwise.
     optimizer_step: the skipped step's number in optimizer steps (under
-      accumulation, its window's); None where a report is built by hand.
+      accumulation, its window's, which may still have stepped on the
+      micro-batches it kept: `state.stepped` says); None where a report is
+      built by hand.
     skipped_optimizer_steps: how many optimizer steps did not happen in
       all (Megatron-LM's skipped iterations); None likewise.
 
@@ -74,7 +76,7 @@ class SkipReport(NamedTuple):
     member = "" if self.member is None else f"member {self.member}: "
     optimizer = ""
     if self.optimizer_step not in (None, self.step):
-      optimizer = f" (optimizer step {self.optimizer_step})"
+      optimizer = f" (of optimizer step {self.optimizer_step})"
     cause = f"non-finite gradients: {_listed(self.nonfinite)}"
     if self.spike:  # under accumulation, beside an overflowed last one
       spikes = "; ".join(
