@@ -626,9 +626,8 @@ class LossScaleOptimizer:
 
     The scale moves as for the batch's first attempt: a retried batch as
     one overflowed step would. A kept micro-batch of an open window holds
-    it. The record's scale is the step's; the attempt's says whether the
-    scale reached its floor. A held attempt writes nothing: its conditional
-    kept `inner`'s state and the accumulator, and a select keeps the rest.
+    it. A held attempt writes nothing: its conditional kept `inner`'s state
+    and the accumulator, and a select keeps the rest.
     """
     state, attempt = step.state, step.attempt
     verdict, first = attempt.verdict, attempt.retries == 0
@@ -636,36 +635,17 @@ class LossScaleOptimizer:
     moved = decide(state.loss_scale, as_first, self.skip_nonfinite)[0]
     hold = should_apply & ~window.closes & first
     loss_scale = tree_where(hold, _held(state.loss_scale), moved)
-    loss_finite, lowered, skipped = (
-      verdict.loss_finite,
-      attempt.loss_scale.lowered(),
-      ~should_apply,
-    )
-    consecutive = optax.safe_increment(state.consecutive_skipped_steps)
-    slots = state.last_skip.nonfinite.shape[-1]  # none after `init(None)`
-    at_floor = lowered() >= attempt.loss_scale() if lowered else True
-    record = dataclasses.replace(
-      state.last_skip,
-      step=state.steps,
-      loss_scale=state.loss_scale(),
-      next_loss_scale=loss_scale(),
-      consecutive_skipped_steps=consecutive,
-      loss_given=jnp.array(loss_finite is not None),
-      loss_finite=jnp.array(True) if loss_finite is None else loss_finite,
-      at_floor=jnp.asarray(at_floor),
-      nonfinite=~verdict.flags[:slots],
-      spiked=spike.spiked,
-      spike_stats=jnp.where(spike.found, spike.stats, 0),
-      leaf_norms=written.leaf_norms,
-      optimizer_step=state.steps // self.gradient_accumulation_steps,
-    )
+    record = self._skip_record(step, loss_scale, spike, written.leaf_norms)
+    loss_finite, skipped = verdict.loss_finite, ~should_apply
     loss_failed = False if loss_finite is None else ~loss_finite
     norm = written.norm.astype(jnp.float32)
     new = state._replace(
       loss_scale=loss_scale,
       should_apply=should_apply,
       skipped_steps=_count(state.skipped_steps, skipped),
-      consecutive_skipped_steps=jnp.where(skipped, consecutive, 0),
+      consecutive_skipped_steps=jnp.where(
+        skipped, record.consecutive_skipped_steps, 0
+      ),
       nonfinite_loss_steps=_count(state.nonfinite_loss_steps, loss_failed),
       retries=state.retries + attempt.retries,
       last_skip=tree_where(skipped, record, state.last_skip),
@@ -687,6 +667,39 @@ class LossScaleOptimizer:
     )
     return new._replace(  # type: ignore[no-any-return]
       inner_state=written.inner_state, accumulator=written.accumulator
+    )
+
+  def _skip_record(
+    self,
+    step: _Step,
+    next_scale: LossScale,
+    spike: _spikes.Spike,
+    leaf_norms: jax.Array,
+  ) -> SkipRecord:
+    """The step's record, kept if it is skipped: its scale (the state's) and
+    the next, why, and on a spike each leaf's norm. The attempt's scale
+    says whether the scale reached its floor."""
+    state, attempt = step.state, step.attempt
+    verdict, lowered = attempt.verdict, attempt.loss_scale.lowered()
+    loss_finite = verdict.loss_finite
+    slots = state.last_skip.nonfinite.shape[-1]  # none after `init(None)`
+    at_floor = True if lowered is None else lowered() >= attempt.loss_scale()
+    return dataclasses.replace(
+      state.last_skip,
+      step=state.steps,
+      loss_scale=state.loss_scale(),
+      next_loss_scale=next_scale(),
+      consecutive_skipped_steps=optax.safe_increment(
+        state.consecutive_skipped_steps
+      ),
+      loss_given=jnp.array(loss_finite is not None),
+      loss_finite=jnp.array(True) if loss_finite is None else loss_finite,
+      at_floor=jnp.asarray(at_floor),
+      nonfinite=~verdict.flags[:slots],
+      spiked=spike.spiked,
+      spike_stats=jnp.where(spike.found, spike.stats, 0),
+      leaf_norms=leaf_norms,
+      optimizer_step=state.steps // self.gradient_accumulation_steps,
     )
 
   def _foreign(self, call: str, step: _Step, error: Exception) -> None:
