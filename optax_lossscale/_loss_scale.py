@@ -109,6 +109,14 @@ class LossScale(abc.ABC):
   def __call__(self) -> jax.Array:
     """Returns the current loss scale, a float32 scalar `jax.Array`."""
 
+  def __float__(self) -> float:
+    """Raises a `TypeError` that says how to read the scale: a loss scale is
+    a pytree of its state, and `float(loss_scale())` is its value."""
+    raise TypeError(
+      f"float() of a {type(self).__name__}: it is a pytree of its state;"
+      " read the scale with `float(loss_scale())`."
+    )
+
   @abc.abstractmethod
   def adjust(self, grads_finite: jax.Array) -> tuple[Self, jax.Array]:
     """Returns `(new_loss_scale, should_apply)` given a finiteness verdict.

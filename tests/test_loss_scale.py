@@ -590,3 +590,13 @@ def test_a_stored_infinite_scale_counts_as_the_default_ceiling():
   assert float(jax.jit(lambda ls: ls())(ls)) == top
   lowered, should_apply = jax.jit(lambda ls: ls.adjust(jnp.array(False)))(ls)
   assert not bool(should_apply) and float(lowered()) == top / 2
+
+
+@pytest.mark.parametrize(
+  "loss_scale",
+  [ols.DynamicLossScale(), ols.FixedLossScale(8.0), ols.NoOpLossScale()],
+)
+def test_float_of_a_loss_scale_says_to_call_it(loss_scale):
+  with pytest.raises(TypeError, match=r"float\(loss_scale\(\)\)"):
+    float(loss_scale)
+  assert float(loss_scale()) >= 1.0
