@@ -196,7 +196,8 @@ def check_state(tree: T) -> T:
   Raises:
     ValueError: naming the field (its path in `tree`) and the offending
       value, or the shape it should have; or if `tree` holds no loss scale.
-    TypeError: naming the field, if a value is not of its dtype.
+    TypeError: naming the field, if a value is not of its dtype, or a
+      record, the spike window or the loss scale not of its type.
 
   Examples:
     >>> import jax.numpy as jnp

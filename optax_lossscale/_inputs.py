@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import warnings
 from typing import Any
 
 import jax
@@ -78,12 +79,15 @@ def check_loss_scale(call: str, loss_scale: Any) -> None:
 
 
 def check_loss_name(call: str, extra_args: dict[str, Any]) -> None:
-  """Raises a `TypeError` if the loss is given as `loss=`, which only
-  `inner` would receive, and not as `value=`, which the checks read."""
+  """Warns if the loss is given as `loss=`, which no check reads, and not as
+  `value=` (a transformation of the user's may take `loss=`: it is passed
+  on)."""
   if "loss" in extra_args and "value" not in extra_args:
-    raise TypeError(
-      f"`{call}(..., loss=...)`: pass the loss as `value=` (Optax's name),"
-      " which the checks read; `inner` is given it too."
+    warnings.warn(
+      f"`{call}(..., loss=...)`: no check reads `loss=`; pass the loss as"
+      " `value=` (Optax's name) so that a non-finite loss is skipped, and"
+      " `loss=` too if a transformation of yours takes it.",
+      stacklevel=4,
     )
 
 

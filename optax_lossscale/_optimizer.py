@@ -396,7 +396,7 @@ class LossScaleOptimizer:
         vary across devices where the state does not.
       TypeError: if `state` is not a `LossScaleOptimizerState`, or a field
         of it was cast to another dtype (naming it), at trace time; if the
-        loss is given as `loss=` rather than `value=`; or if
+        loss is given as `loss=` rather than `value=` (a warning); or if
         the step fails on an `inner_state` that is not of the structure
         `init` gives (another optimizer's state).
     """
@@ -788,7 +788,7 @@ class LossScaleOptimizer:
   ) -> list[Callable[..., Any]]:
     """The branches: skip, (accumulate,) step. Each takes the parameters,
     `inner`'s state, the accumulator and the write record, and returns the
-    output and what it `_Written`. The skip
+    output and a `_Written`. The skip
     stays branch 0, which XLA passes donated buffers through uncopied
     (jax#39449; tests/test_accelerator_ready.py)."""
     accumulating = self.gradient_accumulation_steps > 1
@@ -818,13 +818,14 @@ class LossScaleOptimizer:
           g = self._mean(state, acc, g, should_apply)
         norms = jnp.where(spike.found, self._leaf_norms(g)[:slots], none)
       return output(params, None, False), _Written(
-        inner, acc, new, verdict.norm, norms
+        inner, acc, new, verdict.norm.astype(jnp.float32), norms
       )
 
     def accumulate(params: Any, inner: Any, acc: Any, wrote: Any) -> Any:
       acc = self._mean(state, acc, unscaled(), should_apply)
       out = output(params, None, should_apply)
-      return out, _Written(inner, acc, wrote, verdict.norm, none)
+      norm = verdict.norm.astype(jnp.float32)
+      return out, _Written(inner, acc, wrote, norm, none)
 
     def apply(params: Any, inner: Any, acc: Any, wrote: Any) -> Any:
       g, norm = unscaled(), verdict.norm
@@ -837,7 +838,7 @@ class LossScaleOptimizer:
       trained = without_overwritten(step.overwritten, params)
       updates, inner = update(g, inner, trained)
       out = output(params, updates, should_apply)
-      return out, _Written(inner, acc, wrote, norm, none)
+      return out, _Written(inner, acc, wrote, norm.astype(jnp.float32), none)
 
     return [skip, accumulate, apply] if accumulating else [skip, apply]
 
@@ -883,7 +884,8 @@ class LossScaleOptimizer:
     position, accumulated = self._open(state)
     closes = position + 1 >= k
     count = accumulated + kept.astype(jnp.int32)
-    loss_sum = window.loss_sum if k > 1 else jnp.zeros((), jnp.float32)
+    # A window that kept nothing has no losses (whatever a resumed state holds).
+    loss_sum = jnp.where(accumulated > 0, window.loss_sum, 0)
     total = loss_sum + jnp.where(kept, loss.astype(jnp.float32), 0)
     loss = total / jnp.maximum(count, 1).astype(jnp.float32)
     if k > 1:  # the window's mean gradient: one more read

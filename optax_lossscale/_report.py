@@ -47,8 +47,8 @@ class SkipReport(NamedTuple):
       norms, largest first (at most three); empty otherwise.
     optimizer_step: the skipped step's number in optimizer steps (under
       accumulation, its window's, which may still have stepped on the
-      micro-batches it kept: `state.stepped` says); None where a report is
-      built by hand.
+      micro-batches it kept: `skipped_optimizer_steps` counts those that
+      did not); None where a report is built by hand.
     skipped_optimizer_steps: how many optimizer steps did not happen in
       all (Megatron-LM's skipped iterations); None likewise.
 

@@ -695,3 +695,60 @@ def test_a_state_resumed_without_accumulation_ignores_the_open_window():
     )
     assert bool(state.stepped) and float(state.spikes.loss_sum) == 0.0
   np.testing.assert_allclose(params["w"], 1.0 - 3 * 0.1 * 8.0 / 4.0)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_resumed_window_judges_no_loss_of_the_window_left_open(k):
+  # Two micro-batches of loss 100 kept in a window left open, then a resume
+  # by the docs' recipe (the fresh state's accumulator and counters): the
+  # rule judges the next window by its own losses, not by the open one's.
+  params = {"w": jnp.ones(2)}
+  old, new = (
+    ols.LossScaleOptimizer(
+      optax.sgd(0.1),
+      ols.DynamicLossScale(8.0),
+      gradient_accumulation_steps=steps,
+      spike_sigmas=6.0,
+      spike_window=4,
+    )
+    for steps in (4, k)
+  )
+  state = old.init(params)
+  for i in range(4 * 4 + 2):  # four windows (the rule's is half full), then 2
+    loss = 100.0 if i >= 16 else 1.0 + 0.1 * (i % 3)
+    _, state = old.apply_gradients(
+      {"w": jnp.full(2, 8.0 + i % 3)}, state, params, value=jnp.float32(loss)
+    )
+  assert float(state.spikes.loss_sum) == 200.0
+  fresh = new.init(params)
+  state = state._replace(
+    accumulator=fresh.accumulator,
+    accumulated=fresh.accumulated,
+    micro_step=fresh.micro_step,
+  )
+  step = jax.jit(new.apply_gradients)
+  for _ in range(k):
+    _, state = step(
+      {"w": jnp.full(2, 8.0)}, state, params, value=jnp.float32(1.0)
+    )
+  assert bool(state.stepped) and int(state.skipped_steps) == 0
+
+
+def test_float32_gradients_of_float64_parameters_accumulate_under_x64():
+  # The window's norm is of the float64 accumulator, a micro-batch's of
+  # float32 gradients: every branch returns the norm as the state keeps it.
+  with jax.enable_x64(True):
+    tx = ols.LossScaleOptimizer(
+      optax.sgd(1.0),
+      ols.FixedLossScale(2.0),
+      max_norm=1.0,
+      gradient_accumulation_steps=2,
+    )
+    params = {"w": jnp.zeros(2, jnp.float64)}
+    state = tx.init(params)
+    step = jax.jit(tx.apply_gradients)
+    for _ in range(2):
+      grads = {"w": jnp.array([6.0, 8.0], jnp.float32)}
+      params, state = step(grads, state, params)
+    assert bool(state.stepped) and state.grad_norm.dtype == jnp.float32
+    np.testing.assert_allclose(params["w"], [-0.6, -0.8], rtol=1e-6)

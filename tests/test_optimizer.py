@@ -1722,17 +1722,26 @@ def test_float64_steps_run_under_strict_promotion(entry, spike_sigmas):
     assert float(state.grad_norm) == pytest.approx(5.0)
 
 
-def test_a_loss_passed_as_loss_is_refused_with_the_name_to_use():
-  # `loss=` would reach `inner` alone: no check would read it.
-  tx = ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale())
+def test_a_loss_passed_as_loss_warns_with_the_name_to_use():
+  # `loss=` reaches `inner` alone: no check reads it, so a NaN loss is
+  # applied; the warning names `value=`. Given both, `inner` gets `loss=`.
+  seen = []
+
+  def update(updates, state, params=None, *, loss=None, **extra):
+    seen.append(loss)
+    return updates, state
+
+  inner = optax.GradientTransformationExtraArgs(lambda p: (), update)
+  tx = ols.LossScaleOptimizer(inner, ols.DynamicLossScale())
   params = _params()
   state = tx.init(params)
   grads = jax.tree.map(jnp.ones_like, params)
   for entry in (tx.update, tx.apply_gradients):
-    with pytest.raises(TypeError, match=r"loss=.*pass the loss as `value=`"):
-      entry(grads, state, params, loss=jnp.float32(jnp.nan))
-  # Given both, `loss=` is `inner`'s own argument.
+    with pytest.warns(UserWarning, match=r"loss=.*pass the loss as `value=`"):
+      _, new = entry(grads, state, params, loss=jnp.float32(jnp.nan))
+    assert bool(new.should_apply)
   _, state = tx.apply_gradients(
     grads, state, params, value=jnp.float32(jnp.nan), loss=jnp.float32(1.0)
   )
   assert int(state.nonfinite_loss_steps) == 1
+  assert float(seen[-1]) == 1.0

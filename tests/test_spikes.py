@@ -139,7 +139,7 @@ def test_a_spiking_window_does_not_step_under_accumulation():
   assert (
     float(state.last_skip.spike_stats[0, 0]) > 10
   )  # the window's norm judged
-  assert report.step == 17 and "optimizer step 8" in str(report)
+  assert report.step == 17 and "(of optimizer step 8)" in str(report)
 
 
 def test_a_retried_outlier_is_skipped_and_the_scale_moves_as_one_overflow():

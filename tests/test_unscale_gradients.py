@@ -228,7 +228,7 @@ def test_the_own_skip_recipe_keeps_the_parameters_with_every_loss_scale(
   assert bool(state[0].finite) and bool(state[0].should_apply)
 
 
-def test_a_loss_passed_as_loss_is_refused_with_the_name_to_use():
+def test_a_loss_passed_as_loss_warns_with_the_name_to_use():
   tx = ols.unscale_gradients(ols.DynamicLossScale())
-  with pytest.raises(TypeError, match=r"loss=.*pass the loss as `value=`"):
+  with pytest.warns(UserWarning, match=r"loss=.*pass the loss as `value=`"):
     tx.update({"w": jnp.ones(2)}, tx.init(None), loss=jnp.float32(1.0))
