@@ -660,22 +660,23 @@ def test_a_window_whose_norm_overflows_is_clipped_as_optax_clips_it():
     np.testing.assert_array_equal(params["w"], [0.0, 0.0])
 
 
+def _with_the_rule(k):
+  return ols.LossScaleOptimizer(
+    optax.sgd(0.1),
+    ols.DynamicLossScale(8.0),
+    gradient_accumulation_steps=k,
+    spike_sigmas=6.0,
+    spike_window=4,
+  )
+
+
 def test_a_state_resumed_without_accumulation_ignores_the_open_window():
   # A checkpoint taken mid-window, resumed with gradient_accumulation_steps=1
   # by replacing the accumulator alone: no window is open any more, so an
   # overflow is skipped (not applied as the window's end) and the first
   # step is judged on its own, the rule's loss included.
   params = {"w": jnp.ones(2)}
-  old, new = (
-    ols.LossScaleOptimizer(
-      optax.sgd(0.1),
-      ols.DynamicLossScale(8.0),
-      gradient_accumulation_steps=k,
-      spike_sigmas=6.0,
-      spike_window=4,
-    )
-    for k in (4, 1)
-  )
+  old, new = _with_the_rule(4), _with_the_rule(1)
   state = old.init(params)
   for _ in range(2):
     _, state = old.apply_gradients(
@@ -703,16 +704,7 @@ def test_a_resumed_window_judges_no_loss_of_the_window_left_open(k):
   # by the docs' recipe (the fresh state's accumulator and counters): the
   # rule judges the next window by its own losses, not by the open one's.
   params = {"w": jnp.ones(2)}
-  old, new = (
-    ols.LossScaleOptimizer(
-      optax.sgd(0.1),
-      ols.DynamicLossScale(8.0),
-      gradient_accumulation_steps=steps,
-      spike_sigmas=6.0,
-      spike_window=4,
-    )
-    for steps in (4, k)
-  )
+  old, new = _with_the_rule(4), _with_the_rule(k)
   state = old.init(params)
   for i in range(4 * 4 + 2):  # four windows (the rule's is half full), then 2
     loss = 100.0 if i >= 16 else 1.0 + 0.1 * (i % 3)
