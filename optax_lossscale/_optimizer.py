@@ -122,6 +122,25 @@ def _write_record(state: State, params: Any, axis_name: Any) -> WriteRecord:
   return tree_where(jnp.all(finite) | (applied < 0), last, new)  # type: ignore[no-any-return]
 
 
+def _spike_settings(
+  call: str, sigmas: float | None, window: int | None
+) -> tuple[float | None, int]:
+  """The spike rule's settings, checked: `spike_window` only with
+  `spike_sigmas`, and None is 128 (OLMo-core's)."""
+  if sigmas is not None:
+    sigmas = _validation.positive(call, "spike_sigmas", sigmas)
+  elif window is not None:
+    raise ValueError(
+      f"`{call}(spike_window={window!r})` is the spike rule's: set"
+      " `spike_sigmas` too (6.0 is OLMo-core's)."
+    )
+  window = 128 if window is None else window
+  checked = _validation.integer(
+    call, "spike_window", window, minimum=4, maximum=2**29
+  )
+  return sigmas, checked
+
+
 def _unscaled(step: _Step, factor: jax.Array, twos: Any) -> Any:
   """The step's trained gradients times `factor` and `twos` (`reciprocal`'s
   parts, computed outside the conditional), overwritten leaves left out."""
@@ -290,20 +309,8 @@ class LossScaleOptimizer:
       gradient_accumulation_steps,
       minimum=1,
     )
-    if spike_sigmas is not None:
-      spike_sigmas = _validation.positive(call, "spike_sigmas", spike_sigmas)
-    elif spike_window is not None:
-      raise ValueError(
-        f"`{call}(spike_window={spike_window!r})` is the spike rule's: set"
-        " `spike_sigmas` too (6.0 is OLMo-core's)."
-      )
-    self.spike_sigmas = spike_sigmas
-    self.spike_window = _validation.integer(
-      call,
-      "spike_window",
-      128 if spike_window is None else spike_window,
-      minimum=4,
-      maximum=2**29,
+    self.spike_sigmas, self.spike_window = _spike_settings(
+      call, spike_sigmas, spike_window
     )
     # What every state's own leaves are (outside any trace: under
     # `shard_map`, the loss scale's arrays could not be closed over).
@@ -803,44 +810,65 @@ class LossScaleOptimizer:
     )
     base, twos = reciprocal(step.attempt.loss_scale())
     factor = clip * base.astype(clip.dtype)  # float64 with a float64 norm
-    unscaled = lambda f=factor: _unscaled(step, f, twos)  # noqa: E731
+    unscaled = lambda: _unscaled(step, factor, twos)  # noqa: E731
     given = state.accumulator if accumulating else unscaled()
     output, update = self._inner_update(step, given)
-    slots = state.last_skip.nonfinite.shape[-1]  # none after `init(None)`
-    none = jnp.zeros((slots,), jnp.float32)
+    norm = verdict.norm.astype(jnp.float32)  # the micro-batch's
+    none = jnp.zeros_like(state.last_skip.leaf_norms)
 
     def skip(params: Any, inner: Any, acc: Any, wrote: Any) -> Any:
       new = _write_record(state, params, self.axis_name)
-      norms = none
-      if self.spike_sigmas is not None:  # the leaves that carry a spike
-        g = unscaled(base)
-        if accumulating:  # the window's
-          g = self._mean(state, acc, g, should_apply)
-        norms = jnp.where(spike.found, self._leaf_norms(g)[:slots], none)
-      return output(params, None, False), _Written(
-        inner, acc, new, verdict.norm.astype(jnp.float32), norms
-      )
+      norms = self._spike_norms(step, acc, should_apply, spike, base, twos)
+      return output(params, None, False), _Written(inner, acc, new, norm, norms)
 
     def accumulate(params: Any, inner: Any, acc: Any, wrote: Any) -> Any:
       acc = self._mean(state, acc, unscaled(), should_apply)
       out = output(params, None, should_apply)
-      norm = verdict.norm.astype(jnp.float32)
       return out, _Written(inner, acc, wrote, norm, none)
 
     def apply(params: Any, inner: Any, acc: Any, wrote: Any) -> Any:
-      g, norm = unscaled(), verdict.norm
-      if accumulating:  # the window's mean, its norm, its clip
-        g, norm = self._window_mean(state, acc, g, should_apply)
-        flags = _numerics.finite_flags(leaves(g))
-        finite = jnp.all(_numerics.agree(flags, self.axis_name))
-        g = multiply_floats(g, self._clip(norm, finite))
+      g, stepped_norm = unscaled(), norm
+      if accumulating:  # the window's mean, clipped, and its norm
+        g, stepped_norm = self._clipped_mean(state, acc, g, should_apply)
         acc = optax.tree.zeros_like(acc)
       trained = without_overwritten(step.overwritten, params)
       updates, inner = update(g, inner, trained)
       out = output(params, updates, should_apply)
-      return out, _Written(inner, acc, wrote, norm.astype(jnp.float32), none)
+      stepped_norm = stepped_norm.astype(jnp.float32)
+      return out, _Written(inner, acc, wrote, stepped_norm, none)
 
     return [skip, accumulate, apply] if accumulating else [skip, apply]
+
+  def _spike_norms(
+    self,
+    step: _Step,
+    acc: Any,
+    kept: jax.Array,
+    spike: _spikes.Spike,
+    factor: jax.Array,
+    twos: Any,
+  ) -> jax.Array:
+    """On a spike, each leaf's norm of the unscaled gradients (under
+    accumulation, of the window's mean with them if `kept`); zeros
+    otherwise, and without the rule. Read in the skip branch only."""
+    none = jnp.zeros_like(step.state.last_skip.leaf_norms)
+    if self.spike_sigmas is None:
+      return none
+    g = _unscaled(step, factor, twos)
+    if self.gradient_accumulation_steps > 1:
+      g = self._mean(step.state, acc, g, kept)
+    norms = self._leaf_norms(g)[: none.shape[-1]]
+    return jnp.where(spike.found, norms, none)
+
+  def _clipped_mean(
+    self, state: State, acc: Any, g: Any, kept: jax.Array
+  ) -> tuple[Any, jax.Array]:
+    """The window's mean with `g` if `kept`, clipped by its global norm, and
+    that norm."""
+    mean, norm = self._window_mean(state, acc, g, kept)
+    flags = _numerics.finite_flags(leaves(mean))
+    finite = jnp.all(_numerics.agree(flags, self.axis_name))
+    return multiply_floats(mean, self._clip(norm, finite)), norm
 
   def _leaf_norms(self, tree: Any) -> jax.Array:
     """Each leaf's norm, float32 (0 for a None or an overwritten leaf, an
