@@ -61,6 +61,13 @@ def _no_gradient_moves(compiled, what):
 # --- pmap (no mesh: run once) -------------------------------------------------
 
 
+def _in_shard_map(mesh):
+  """A decorator: `step(params, state, grads)` jitted inside `shard_map`,
+  the parameters and gradients split along "i", the state replicated."""
+  specs = {"in_specs": (P("i"), P(), P("i")), "out_specs": (P("i"), P())}
+  return lambda step: jax.jit(jax.shard_map(step, mesh=mesh, **specs))
+
+
 def _replica_grads(bad=None):
   """Gradients of 2**10 on each replica, with a NaN on replica `bad`."""
   grads = np.full((N, 4), 2.0**10, np.float32)
@@ -219,13 +226,7 @@ def check_shard_map():
   )
   state = tx.init({"w": jnp.zeros((1, 4))})
 
-  @jax.jit
-  @partial(
-    jax.shard_map,
-    mesh=mesh,
-    in_specs=(P("i"), P(), P("i")),
-    out_specs=(P("i"), P()),
-  )
+  @_in_shard_map(mesh)
   def step(params, state, grads):
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
@@ -262,16 +263,9 @@ def check_shard_map_spikes():
   )
   state = tx.init({"w": jnp.zeros((1, 4)), "b": jnp.zeros((1, 2))})
 
-  @jax.jit
-  @partial(
-    jax.shard_map,
-    mesh=mesh,
-    in_specs=(P("i"), P(), P("i")),
-    out_specs=(P("i"), P()),
-  )
+  @_in_shard_map(mesh)
   def step(params, state, grads):
-    params, state = tx.apply_gradients(grads, state, params)
-    return params, state
+    return tx.apply_gradients(grads, state, params)
 
   sharded = NamedSharding(mesh, P("i"))
   params = jax.device_put(
