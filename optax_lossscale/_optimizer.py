@@ -298,17 +298,13 @@ class LossScaleOptimizer:
     if max_norm is not None:
       max_norm = _validation.positive(call, "max_norm", max_norm)
     self.max_norm = max_norm
-    self.skip_nonfinite = _validation.boolean(
-      call, "skip_nonfinite", skip_nonfinite
-    )
+    skip = _validation.boolean(call, "skip_nonfinite", skip_nonfinite)
+    self.skip_nonfinite = skip
     self.axis_name = axis_name
     self.overwrite_with_gradient = overwrite_with_gradient
-    self.gradient_accumulation_steps = _validation.integer(
-      call,
-      "gradient_accumulation_steps",
-      gradient_accumulation_steps,
-      minimum=1,
-    )
+    k = gradient_accumulation_steps
+    k = _validation.integer(call, "gradient_accumulation_steps", k, minimum=1)
+    self.gradient_accumulation_steps = k
     self.spike_sigmas, self.spike_window = _spike_settings(
       call, spike_sigmas, spike_window
     )
@@ -757,12 +753,13 @@ class LossScaleOptimizer:
     )
 
   def _open(self, state: State) -> tuple[jax.Array, jax.Array]:
-    """The open window's next position and how many micro-batches it kept.
-    Without accumulation none is open, whatever a state restored from an
-    accumulating run holds."""
-    if self.gradient_accumulation_steps == 1:
-      return jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
-    return state.micro_step, state.accumulated
+    """How many micro-batches the open window kept, and whether this call
+    closes it. Without accumulation every call closes its own, whatever a
+    state restored from an accumulating run holds."""
+    k = self.gradient_accumulation_steps
+    if k == 1:
+      return jnp.zeros((), jnp.int32), jnp.array(True)
+    return state.accumulated, state.micro_step + 1 >= k
 
   def _window(
     self, state: State, keeps: jax.Array, blocked: jax.Array
@@ -774,16 +771,15 @@ class LossScaleOptimizer:
     attempt: the retry that follows it may close the window). Without
     accumulation, every window is one call long.
     """
-    k = self.gradient_accumulation_steps
-    position, accumulated = self._open(state)
-    closes = position + 1 >= k
+    accumulated, closes = self._open(state)
     count = accumulated + keeps.astype(jnp.int32)
     stepped = closes & (count > 0) & ~blocked
+    steps = 2 if self.gradient_accumulation_steps > 1 else 1
     return _Window(
-      branch=jnp.where(stepped, 2 if k > 1 else 1, keeps.astype(jnp.int32)),
+      branch=jnp.where(stepped, steps, keeps.astype(jnp.int32)),
       closes=closes,
       stepped=stepped,
-      micro_step=jnp.where(closes, 0, position + 1),
+      micro_step=jnp.where(closes, 0, state.micro_step + 1),
       accumulated=jnp.where(closes, 0, count),
     )
 
@@ -857,41 +853,30 @@ class LossScaleOptimizer:
     g = _unscaled(step, factor, twos)
     if self.gradient_accumulation_steps > 1:
       g = self._mean(step.state, acc, g, kept)
-    norms = self._leaf_norms(g)[: none.shape[-1]]
-    return jnp.where(spike.found, norms, none)
+    # Each leaf's norm, float32: 0 for a None or an overwritten leaf (an
+    # `optax.MaskedNode`, a leaf here to keep the leaves' positions).
+    masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
+    flat = jax.tree.leaves(g, is_leaf=lambda x: x is None or masked(x))
+    norms = [self._norm([None if masked(x) else x]) for x in flat]
+    norms = norms[: none.shape[-1]]
+    return jnp.where(spike.found, jnp.array(norms, jnp.float32), none)
 
   def _clipped_mean(
     self, state: State, acc: Any, g: Any, kept: jax.Array
   ) -> tuple[Any, jax.Array]:
     """The window's mean with `g` if `kept`, clipped by its global norm, and
     that norm."""
-    mean, norm = self._window_mean(state, acc, g, kept)
+    mean = self._mean(state, acc, g, kept)
+    norm = self._norm(leaves(mean))
     flags = _numerics.finite_flags(leaves(mean))
     finite = jnp.all(_numerics.agree(flags, self.axis_name))
     return multiply_floats(mean, self._clip(norm, finite)), norm
 
-  def _leaf_norms(self, tree: Any) -> jax.Array:
-    """Each leaf's norm, float32 (0 for a None or an overwritten leaf, an
-    `optax.MaskedNode`), summed across `axis_name` where it varies: read in
-    a skipped step's branch only."""
-    masked = lambda x: x is None or isinstance(x, optax.MaskedNode)  # noqa: E731
-    norms = [
-      jnp.zeros((), jnp.float32)
-      if masked(x)
-      else _numerics.root(
-        _numerics.squares(_numerics.pieces([x]), self.axis_name)[0]
-      ).astype(jnp.float32)
-      for x in jax.tree.leaves(tree, is_leaf=masked)
-    ]
-    return jnp.stack(norms) if norms else jnp.zeros((0,), jnp.float32)
-
-  def _window_mean(
-    self, state: State, acc: Any, g: Any, kept: jax.Array
-  ) -> tuple[Any, jax.Array]:
-    """The window's mean gradient with `g` if `kept`, and its global norm."""
-    mean = self._mean(state, acc, g, kept)
-    pieces = _numerics.pieces(leaves(mean))
-    return mean, _numerics.root(_numerics.squares(pieces, self.axis_name)[0])
+  def _norm(self, flat: list[Any]) -> jax.Array:
+    """The global norm of the leaves `flat` (None ones left out), summed
+    across `axis_name` where they vary."""
+    pieces = _numerics.pieces(flat)
+    return _numerics.root(_numerics.squares(pieces, self.axis_name)[0])
 
   def _spike(self, step: _Step, kept: jax.Array) -> tuple[_spikes.Spike, Any]:
     """The spike rule's verdict on this call, and its window after it.
@@ -901,7 +886,7 @@ class LossScaleOptimizer:
     `kept` is whether this call's gradients are kept, the rule aside. Off,
     no spike, and the window stays `()`.
     """
-    state, k = step.state, self.gradient_accumulation_steps
+    state = step.state
     if self.spike_sigmas is None:
       off = jnp.zeros((2,), jnp.bool_)
       stats = jnp.zeros((2, 4), jnp.float32)
@@ -909,16 +894,15 @@ class LossScaleOptimizer:
     window, norm = state.spikes, step.attempt.verdict.norm
     given = step.extra_args.get("value")
     loss = jnp.zeros(()) if given is None else jnp.mean(given)
-    position, accumulated = self._open(state)
-    closes = position + 1 >= k
+    accumulated, closes = self._open(state)
     count = accumulated + kept.astype(jnp.int32)
     # A window that kept nothing has no losses (whatever a resumed state holds).
     loss_sum = jnp.where(accumulated > 0, window.loss_sum, 0)
     total = loss_sum + jnp.where(kept, loss.astype(jnp.float32), 0)
     loss = total / jnp.maximum(count, 1).astype(jnp.float32)
-    if k > 1:  # the window's mean gradient: one more read
+    if self.gradient_accumulation_steps > 1:  # the window's mean: a read
       g = _unscaled(step, *reciprocal(step.attempt.loss_scale()))
-      norm = self._window_mean(state, state.accumulator, g, kept)[1]
+      norm = self._norm(leaves(self._mean(state, state.accumulator, g, kept)))
     value = jnp.stack([norm.astype(jnp.float32), loss])
     # Only finite values: `skip_nonfinite=False` applies the others.
     judged = closes & (count > 0) & jnp.all(jnp.isfinite(value))

@@ -80,25 +80,27 @@ def read(
   if value is not None:
     local.append(jnp.all(jnp.isfinite(value)))
   agreed = _numerics.agree(jnp.stack(local), axis_name)
-  unscale = lambda x: multiply_floats(x, *reciprocal(scale))  # noqa: E731
 
-  def exact(*arrays: jax.Array) -> tuple[jax.Array, jax.Array]:
-    # The pieces are its operands: a conditional's operands are buffers.
-    # Each reduction unscales what it reads: pieces unscaled once, for
-    # both, are held in memory (tests/test_accelerator_ready.py).
+  def exact(inverse: Any, *arrays: jax.Array) -> tuple[jax.Array, jax.Array]:
+    # The pieces and the scale's reciprocal are its operands: a
+    # conditional's operands are buffers, and XLA copies scalar work done
+    # inside one into every kernel. Each reduction unscales what it reads:
+    # pieces unscaled once, for both, are held in memory
+    # (tests/test_accelerator_ready.py).
     again = [p._replace(array=a) for p, a in zip(pieces, arrays, strict=True)]
-    flags = _numerics.flags(again, len(flat), loss_scale.unscale)
+    flags = _numerics.flags(again, len(flat), scale)
+    unscale = lambda x: multiply_floats(x, *inverse)  # noqa: E731
     unscaled = _numerics.squares(again, axis_name, unscale)[0]
     return _numerics.agree(flags, axis_name), _numerics.root(unscaled)
 
-  def fast(*_: jax.Array) -> tuple[jax.Array, jax.Array]:
+  def fast(*_: Any) -> tuple[jax.Array, jax.Array]:
     norm = _numerics.root(trained) / scale.astype(trained.dtype)
     return jnp.ones((len(flat),), jnp.bool_), norm
 
   operands = [p.array for p in pieces]
   index = agreed[0].astype(jnp.int32)
   flags, norm = _cond.switch(
-    index, [exact, fast], *operands, sharded_like=grads
+    index, [exact, fast], reciprocal(scale), *operands, sharded_like=grads
   )
   loss_finite = None if value is None else agreed[1]
   return Verdict(

@@ -1661,6 +1661,21 @@ def test_a_nonfinite_step_below_scale_one_logs_an_infinite_norm():
     chex.assert_trees_all_equal(new, params)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.complex64])
+def test_below_scale_one_a_gradient_that_overflows_once_unscaled_skips(dtype):
+  # Finite as given, twice the dtype's largest once divided by the scale.
+  ls = ols.DynamicLossScale(2.0**-4, min_loss_scale=2.0**-10)
+  tx = ols.LossScaleOptimizer(optax.sgd(1.0), ls)
+  params = {"w": jnp.zeros(2, dtype)}
+  step = jax.jit(tx.update)
+  big = float(jnp.finfo(dtype).max) / 8
+  for value, applies in ((big, False), (big / 4, True), (-big, False)):
+    grads = {"w": jnp.array([value, 1.0], dtype)}
+    _, state = step(grads, tx.init(params), params)
+    assert bool(state.should_apply) == applies, value
+    assert bool(state.last_skip.nonfinite[0]) != applies
+
+
 def test_float64_gradients_are_normed_in_float64():
   with jax.enable_x64(True):
     tx = ols.LossScaleOptimizer(
