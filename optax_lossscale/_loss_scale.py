@@ -238,11 +238,48 @@ def _static(check: Any = None, **kwargs: Any) -> Any:
   return dataclasses.field(metadata=dict(static=True, check=check), **kwargs)
 
 
-class _Constant(LossScale):
+_TENSORFLOW_KEYS = ("initial_loss_scale", "increment_period", "multiplier")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _BuiltIn(LossScale):
+  """A built-in loss scale: its `_static` fields, its hyperparameters, are
+  checked on construction and make its config."""
+
+  def __post_init__(self) -> None:
+    # Also on every unflattening, with any leaves (tracers, shardings, None):
+    # only the Python hyperparameters are checked. A field whose default is
+    # None takes None unchecked.
+    for field in dataclasses.fields(self):
+      name, check = field.name, field.metadata.get("check")
+      value = getattr(self, name)
+      if check and (value is not None or field.default is not None):
+        object.__setattr__(self, name, check(type(self).__name__, name, value))
+
+  def get_config(self) -> dict[str, Any]:
+    # TensorFlow's keys, then the other hyperparameters that are not their
+    # defaults: with TensorFlow's bounds, the config is exactly TensorFlow's.
+    return {
+      f.name: getattr(self, f.name)
+      for f in dataclasses.fields(self)
+      if f.metadata.get("static")
+      and (f.name in _TENSORFLOW_KEYS or getattr(self, f.name) != f.default)
+    }
+
+
+class _Constant(_BuiltIn):
   """A scale that never changes: its `update` always applies."""
 
   def adjust(self, grads_finite: jax.Array) -> tuple[Self, jax.Array]:
     return self, jnp.array(True)
+
+
+def _at_least_1(call: str, name: str, value: Any) -> float:
+  """`value` as a Python float of at least 1 (see `scalar`), or raises."""
+  result = scalar(call, name, value)
+  if result < 1:
+    raise ValueError(f"`{call}({name}=...)` must be at least 1, got {value!r}.")
+  return result
 
 
 @jax.tree_util.register_dataclass
@@ -273,22 +310,10 @@ class FixedLossScale(_Constant):
     {'loss_scale_value': 128.0}
   """
 
-  loss_scale_value: float = _static()
-
-  def __post_init__(self) -> None:
-    value = scalar("FixedLossScale", "loss_scale_value", self.loss_scale_value)
-    if value < 1:
-      raise ValueError(
-        "`FixedLossScale(loss_scale_value=...)` must be at least 1, got"
-        f" {self.loss_scale_value!r}."
-      )
-    object.__setattr__(self, "loss_scale_value", value)
+  loss_scale_value: float = _static(_at_least_1)
 
   def __call__(self) -> jax.Array:
     return jnp.asarray(self.loss_scale_value, jnp.float32)
-
-  def get_config(self) -> dict[str, Any]:
-    return {"loss_scale_value": self.loss_scale_value}
 
 
 @jax.tree_util.register_dataclass
@@ -311,9 +336,6 @@ class NoOpLossScale(_Constant):
   def __call__(self) -> jax.Array:
     return jnp.ones((), jnp.float32)
 
-  def get_config(self) -> dict[str, Any]:
-    return {}
-
 
 class _Initial:
   """The default of a state field: the initial value, made on construction."""
@@ -325,18 +347,12 @@ class _Initial:
 _INITIAL: Any = _Initial()
 _positive = functools.partial(integer, minimum=1)
 _TINY = float(np.finfo(np.float32).tiny)  # below it, a scale flushes to 0
-_TENSORFLOW_KEYS = ("initial_loss_scale", "increment_period", "multiplier")
-# The state fields of a `DynamicLossScale`, with their dtypes.
-STATE_DTYPES = {
-  "current_loss_scale": np.dtype(np.float32),
-  "num_good_steps": np.dtype(np.int32),
-  "num_bad_steps": np.dtype(np.int32),
-}
+_NORMAL = f"at least {_TINY:g}, float32's least normal number"
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, eq=False)
-class DynamicLossScale(LossScale):
+class DynamicLossScale(_BuiltIn):
   """A loss scale that adapts to the gradients: TensorFlow's algorithm.
 
   Every `increment_period` consecutive steps with finite gradients, the scale
@@ -430,34 +446,25 @@ class DynamicLossScale(LossScale):
   num_bad_steps: jax.Array = _INITIAL
 
   def __post_init__(self) -> None:
-    # Also on every unflattening, with any leaves (tracers, shardings, None):
-    # only the Python hyperparameters are checked.
-    for field in dataclasses.fields(self):
-      name, check = field.name, field.metadata.get("check")
-      value = getattr(self, name)
-      if check and (value is not None or name != "max_loss_scale"):
-        object.__setattr__(self, name, check("DynamicLossScale", name, value))
+    super().__post_init__()
     low, init = self.min_loss_scale, self.initial_loss_scale
     top = np.inf if self.max_loss_scale is None else self.max_loss_scale
     for name, ok, expected in (
       ("multiplier", self.multiplier > 1, "greater than 1"),
-      (
-        "min_loss_scale",
-        low >= _TINY,
-        f"at least {_TINY:g}, float32's least normal number",
-      ),
+      ("min_loss_scale", low >= _TINY, _NORMAL),
       ("initial_loss_scale", init >= low, f"at least min_loss_scale ({low:g})"),
       ("max_loss_scale", top >= init, "at least initial_loss_scale"),
     ):
       if not ok:
         raise ValueError(
-          f"`DynamicLossScale({name}=...)` must be {expected}, got"
+          f"`{type(self).__name__}({name}=...)` must be {expected}, got"
           f" {getattr(self, name)!r}."
         )
-    for name, dtype in STATE_DTYPES.items():
+    if self.current_loss_scale is _INITIAL:
+      object.__setattr__(self, "current_loss_scale", jnp.float32(init))
+    for name in ("num_good_steps", "num_bad_steps"):
       if getattr(self, name) is _INITIAL:
-        value = init if name == "current_loss_scale" else 0
-        object.__setattr__(self, name, jnp.asarray(value, dtype))
+        object.__setattr__(self, name, jnp.int32(0))
 
   def __call__(self) -> jax.Array:
     # A scale outside the bounds (restored into other ones) counts as the
@@ -497,13 +504,3 @@ class DynamicLossScale(LossScale):
       current_loss_scale=self._backed_off(),
       num_good_steps=jnp.zeros_like(self.num_good_steps),
     )
-
-  def get_config(self) -> dict[str, Any]:
-    # TensorFlow's three keys, then the others that are not their defaults:
-    # with TensorFlow's bounds, the config is exactly TensorFlow's.
-    return {
-      f.name: getattr(self, f.name)
-      for f in dataclasses.fields(self)
-      if f.name in _TENSORFLOW_KEYS
-      or (f.metadata.get("static") and getattr(self, f.name) != f.default)
-    }
