@@ -347,6 +347,7 @@ class _Initial:
 _INITIAL: Any = _Initial()
 _positive = functools.partial(integer, minimum=1)
 _TINY = float(np.finfo(np.float32).tiny)  # below it, a scale flushes to 0
+# What `min_loss_scale` must be.
 _NORMAL = f"at least {_TINY:g}, float32's least normal number"
 
 

@@ -49,15 +49,14 @@ def register_loss_scale(cls: type[LossScale]) -> type[LossScale]:
     >>> ols.deserialize({"class_name": "MyLossScale", "config": {}})
     MyLossScale()
   """
+  where = "`register_loss_scale(cls)`"
   if not (isinstance(cls, type) and issubclass(cls, LossScale)):
     raise TypeError(
-      "`register_loss_scale(cls)` takes a subclass of LossScale, got"
-      f" {describe(cls)}."
+      f"{where} takes a subclass of LossScale, got {describe(cls)}."
     )
   if (known := _CLASSES.setdefault(cls.__name__, cls)) is not cls:
     raise ValueError(
-      f"`register_loss_scale(cls)`: the name {cls.__name__!r} is already"
-      f" taken by {known!r}."
+      f"{where}: the name {cls.__name__!r} is already taken by {known!r}."
     )
   return cls
 
@@ -86,10 +85,8 @@ def serialize(loss_scale: LossScale) -> dict[str, Any]:
     raise TypeError(
       f"`serialize(loss_scale)` takes a LossScale, got {describe(loss_scale)}."
     )
-  return {
-    "class_name": type(loss_scale).__name__,
-    "config": loss_scale.get_config(),
-  }
+  name = type(loss_scale).__name__
+  return {"class_name": name, "config": loss_scale.get_config()}
 
 
 def deserialize(config: dict[str, Any]) -> LossScale:

@@ -15,11 +15,9 @@ from optax_lossscale._loss_scale import LossScale, NoOpLossScale
 
 def _may_pass_float16(loss_scale: LossScale) -> bool:
   """Whether the scale can pass float16's largest value, 65504."""
-  if isinstance(loss_scale, NoOpLossScale):
-    return False
   config = loss_scale.get_config()  # a ceiling, or a fixed value, if any
-  top = config.get("max_loss_scale", config.get("loss_scale_value"))
-  return top is None or top > 65504
+  top = config.get("max_loss_scale") or config.get("loss_scale_value", jnp.inf)
+  return not isinstance(loss_scale, NoOpLossScale) and top > 65504
 
 
 __all__ = ["scaled_value_and_grad"]
@@ -89,12 +87,11 @@ def scaled_value_and_grad(
       loss, aux = out if has_aux else (out, None)
       if jnp.result_type(loss) == jnp.float16 and _may_pass_float16(loss_scale):
         warnings.warn(
-          "`scaled_value_and_grad`: the loss is float16, so its cotangent,"
-          " the loss scale, is float16 too: a scale above 65504 makes every"
-          " gradient inf, so each growth past 2**15 costs a skipped step."
-          " Return the loss in float32 (`loss.astype(jnp.float32)` after a"
-          " float16 forward pass), or cap the scale:"
-          " `DynamicLossScale(..., max_loss_scale=2.0**15)`.",
+          "`scaled_value_and_grad`: the loss is float16, so is its cotangent,"
+          " the loss scale: a scale above 65504 makes every gradient inf, so"
+          " each growth past 2**15 costs a skipped step. Return the loss in"
+          " float32 (`loss.astype(jnp.float32)` after a float16 forward pass),"
+          " or cap the scale: `DynamicLossScale(..., max_loss_scale=2.0**15)`.",
           stacklevel=4,
         )
       return loss_scale.scale(loss), ((loss, aux) if has_aux else loss)
