@@ -274,11 +274,16 @@ class _Constant(_BuiltIn):
     return self, jnp.array(True)
 
 
+def _require(ok: bool, call: str, name: str, wanted: str, value: Any) -> None:
+  """Raises a `ValueError` unless `ok`: `call`'s `name` must be `wanted`."""
+  if not ok:
+    raise ValueError(f"`{call}({name}=...)` must be {wanted}, got {value!r}.")
+
+
 def _at_least_1(call: str, name: str, value: Any) -> float:
   """`value` as a Python float of at least 1 (see `scalar`), or raises."""
   result = scalar(call, name, value)
-  if result < 1:
-    raise ValueError(f"`{call}({name}=...)` must be at least 1, got {value!r}.")
+  _require(result >= 1, call, name, "at least 1", value)
   return result
 
 
@@ -450,17 +455,13 @@ class DynamicLossScale(_BuiltIn):
     super().__post_init__()
     low, init = self.min_loss_scale, self.initial_loss_scale
     top = np.inf if self.max_loss_scale is None else self.max_loss_scale
-    for name, ok, expected in (
+    for name, ok, wanted in (
       ("multiplier", self.multiplier > 1, "greater than 1"),
       ("min_loss_scale", low >= _TINY, _NORMAL),
       ("initial_loss_scale", init >= low, f"at least min_loss_scale ({low:g})"),
       ("max_loss_scale", top >= init, "at least initial_loss_scale"),
     ):
-      if not ok:
-        raise ValueError(
-          f"`{type(self).__name__}({name}=...)` must be {expected}, got"
-          f" {getattr(self, name)!r}."
-        )
+      _require(ok, type(self).__name__, name, wanted, getattr(self, name))
     if self.current_loss_scale is _INITIAL:
       object.__setattr__(self, "current_loss_scale", jnp.float32(init))
     for name in ("num_good_steps", "num_bad_steps"):
