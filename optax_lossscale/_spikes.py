@@ -72,9 +72,8 @@ def judge(
   where `judged`. The loss is judged only when given, against the losses
   given."""
   length = window.values.shape[-1]
-  filled = jnp.arange(length, dtype=jnp.int32) < jnp.minimum(
-    window.written, length
-  )
+  # The slots below `min(written, length)` hold values.
+  filled = jnp.arange(length, dtype=jnp.int32) < window.written
   held = jnp.stack([filled, filled & window.loss_given]).astype(jnp.float32)
   n = held.sum(-1)
   mean = (window.values * held).sum(-1) / jnp.maximum(n, 1.0)
