@@ -269,11 +269,9 @@ def check_like(call: str, state: Any, like: Any) -> None:
   shaped by `inner`, the parameters or the settings: they are not compared
   here (`LossScaleOptimizer` checks the last two against its settings).
   """
+  wanted = f"the {type(like).__name__} that `init` returned"
   if not isinstance(state, type(like)):
-    raise TypeError(
-      f"`{call}` takes the {type(like).__name__} that `init` returned, got"
-      f" {_validation.describe(state)}."
-    )
+    raise _validation.must(TypeError, f"`{call}`: the state", wanted, state)
   # Shaped by `inner`, the parameters or the settings: checked elsewhere.
   own = {"inner_state": None, "accumulator": (), "spikes": ()}
   blank = {k: v for k, v in own.items() if k in state._fields}
@@ -283,8 +281,7 @@ def check_like(call: str, state: Any, like: Any) -> None:
   if got.keys() != want.keys():
     raise TypeError(
       f"`{call}`: the state's fields {sorted(got.keys() ^ want.keys())[:4]}"
-      " differ from those `init` returns: restore into a target built by"
-      " `init`; `check_state` checks a restored state."
+      " differ from those `init` returns: restore into a target built by it."
     )
   for path, leaf in got.items():
     _validation.array_dtype(f"`{call}`: the state's `{path}`", leaf, want[path])
