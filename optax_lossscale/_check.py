@@ -40,16 +40,15 @@ def _array(x: Any) -> Any:
 
 
 @functools.cache
-def _fresh(spikes: bool) -> Any:
+def _fresh(sigmas: float | None) -> Any:
   """A state's own arrays as `init` makes them, with the spike rule's window
-  or without: abstract, their dtypes and their axes past the state's.
-  Nothing moves to a device (a check runs under `jax.transfer_guard`); its
-  loss scale, inner state and accumulator hold no array (`_check_loss_scale`
-  and the accumulator's check read those)."""
-  sigmas = 1.0 if spikes else None  # any window: only its axes are read
-  tx = LossScaleOptimizer(
-    optax.identity(), _loss_scale.NoOpLossScale(), spike_sigmas=sigmas
-  )
+  (any `sigmas`: only its axes are read) or without it (None): abstract,
+  their dtypes and their axes past the state's. Nothing moves to a device (a
+  check runs under `jax.transfer_guard`); its loss scale, inner state and
+  accumulator hold no array (`_check_loss_scale` and the accumulator's check
+  read those)."""
+  noop = _loss_scale.NoOpLossScale()
+  tx = LossScaleOptimizer(optax.identity(), noop, spike_sigmas=sigmas)
   return jax.eval_shape(tx.init, {})
 
 
@@ -101,13 +100,11 @@ def _check_loss_scale(ls: LossScale, path: str, shape: Any) -> None:
 
 def _check_optimizer_state(state: LossScaleOptimizerState, path: str) -> None:
   """Each of `state`'s own arrays, then what relates them."""
-  if not isinstance(state.loss_scale, LossScale):
-    got = state.loss_scale
-    raise must(TypeError, f"`{path}.loss_scale`", "a LossScale", got)
   off = isinstance(state.spikes, tuple) and not state.spikes
-  want = _fresh(not off)
-  for field in ("last_skip", "last_nonfinite_write", "spikes"):
-    kind, got = type(getattr(want, field)), getattr(state, field)
+  want = _fresh(None if off else 1.0)
+  for field in ("loss_scale", "last_skip", "last_nonfinite_write", "spikes"):
+    kind = LossScale if field == "loss_scale" else type(getattr(want, field))
+    got = getattr(state, field)
     if not isinstance(got, kind):
       what = f"a {kind.__name__}" + (" or ()" if field == "spikes" else "")
       raise must(TypeError, f"`{path}.{field}`", what, got)
@@ -130,8 +127,7 @@ def _check_optimizer_state(state: LossScaleOptimizerState, path: str) -> None:
   values = map(host_values, jax.tree.leaves(state.accumulator))
   if any(v is not None and np.isnan(v).any() for v in values):
     raise ValueError(
-      f"`{path}.accumulator` must hold no NaN: the window's mean would stay"
-      " NaN."
+      f"`{path}.accumulator` must hold no NaN: the window's mean would keep it."
     )
   if read[".last_skip.leaf_names"] is not None:
     names = len(state.last_skip.names())
