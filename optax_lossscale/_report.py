@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from itertools import compress
 from typing import Any, NamedTuple
 
 import jax
@@ -74,9 +75,8 @@ class SkipReport(NamedTuple):
 
   def __str__(self) -> str:
     member = "" if self.member is None else f"member {self.member}: "
-    optimizer = ""
-    if self.optimizer_step not in (None, self.step):
-      optimizer = f" (of optimizer step {self.optimizer_step})"
+    of = f" (of optimizer step {self.optimizer_step})"
+    optimizer = "" if self.optimizer_step in (None, self.step) else of
     cause = f"non-finite gradients: {_listed(self.nonfinite)}"
     if self.spike:  # under accumulation, beside an overflowed last one
       spikes = "; ".join(
@@ -137,10 +137,9 @@ def _on_host(call: str, opt_state: Any) -> tuple[Any, bool]:
   if not any(isinstance(x, types) for x in outer):
     raise ValueError(
       f"`{call}(opt_state)`: the LossScaleOptimizer is inside an"
-      " `optax.MultiSteps`, whose accumulator keeps an overflowed"
-      " micro-batch's inf and is reset by a multiply by zero (a NaN): every"
-      " later step skips, for good. Accumulate with `LossScaleOptimizer(opt,"
-      " loss_scale, ..., gradient_accumulation_steps=k)`."
+      " `optax.MultiSteps`, whose reset multiplies an overflowed micro-batch's"
+      " inf by zero: every later step skips on the NaN. Accumulate with"
+      " `LossScaleOptimizer(..., gradient_accumulation_steps=k)`."
     )
   skipped = np.asarray(_states.first_copy(state.skipped_steps))
 
@@ -152,11 +151,6 @@ def _on_host(call: str, opt_state: Any) -> tuple[Any, bool]:
   # An NNX optimizer's state wraps each array in a variable: read it whole.
   array = lambda x: hasattr(x, "__array__")  # noqa: E731
   return jax.tree.map(rows, host, is_leaf=array), bool(skipped.ndim)
-
-
-def _flagged(items: Sequence[Any], flags: np.ndarray) -> tuple[Any, ...]:
-  """The items whose flag is set."""
-  return tuple(x for x, on in zip(items, flags, strict=True) if on)
 
 
 def _reason(record: Any, m: int) -> str:
@@ -184,10 +178,10 @@ def _report(state: Any, m: int, batched: bool) -> SkipReport | None:
     skipped_steps=int(state.skipped_steps[m]),
     consecutive_skipped_steps=int(record.consecutive_skipped_steps[m]),
     loss_finite=bool(record.loss_finite[m]) if record.loss_given[m] else None,
-    nonfinite=_flagged(names, record.nonfinite[m]),
+    nonfinite=tuple(compress(names, record.nonfinite[m])),
     member=m if batched else None,
     reason=_reason(record, m),
-    spike=_flagged(spikes, record.spiked[m]),
+    spike=tuple(compress(spikes, record.spiked[m])),
     largest=tuple(names[i] for i in order if norms[i] > 0),
     optimizer_step=int(record.optimizer_step[m]),
     skipped_optimizer_steps=int(state.skipped_optimizer_steps[m]),
@@ -198,9 +192,8 @@ def _report(state: Any, m: int, batched: bool) -> SkipReport | None:
 # was: at its floor, or falling above it.
 _FIXES = {
   "non-finite loss": "the loss itself was not finite, which no loss scale"
-  " fixes: check the inputs (NaN or inf in the batch), the learning rate (a"
-  " diverging run), and float16 operations that overflow (softmax, LayerNorm"
-  " statistics, the loss: compute them in float32).",
+  " fixes: check the batch for NaN or inf, the learning rate (a diverging"
+  " run), and float16 softmax, LayerNorm statistics or loss (use float32).",
   "spike": "a lasting shift becomes the window's mean within spike_window"
   " steps, so a longer run of spikes is a run that diverges or data that"
   " changed: check the learning rate and the batches, or raise spike_sigmas.",
@@ -219,15 +212,14 @@ def _write_message(state: Any, ms: list[int], batched: bool) -> str:
   write = state.last_nonfinite_write
   step = write.step[ms[0]]
   member = f" (members {ms})" if batched else ""
-  bad = _flagged(state.last_skip.names(), write.nonfinite[ms[0]])
+  bad = tuple(compress(state.last_skip.names(), write.nonfinite[ms[0]]))
   return (
     f"LossScaleOptimizer{member}: a skipped step was given non-finite"
     f" parameters: {_listed(bad)}. Step {step} (0-based), the last one"
     " applied, wrote them from finite gradients (or an earlier step, if they"
-    " did not reach the loss): float16 parameters or optimizer state (Optax's"
-    " `eps`, 1e-8 in Adam, is 0 in float16), or a learning rate too large."
-    " Keep both in float32 (cast to float16 in the forward pass), and restart"
-    f" from a checkpoint taken before step {step}."
+    " did not reach the loss): float16 parameters or optimizer state (Adam's"
+    " `eps`, 1e-8, is 0 in float16), or a learning rate too large. Keep both"
+    f" in float32, cast in the forward pass; restart from before step {step}."
   )
 
 
@@ -368,10 +360,8 @@ class SkipMonitor:
         "SkipMonitor", "max_consecutive_skips", max_consecutive_skips, minimum=1
       )
     if log is not None and not callable(log):
-      raise TypeError(
-        "`SkipMonitor(log=...)` must be a callable or None, got"
-        f" {_validation.describe(log)}."
-      )
+      where = "`SkipMonitor(log=...)`"
+      raise _validation.must(TypeError, where, "a callable or None", log)
     self.max_consecutive_skips = max_consecutive_skips
     self.log = log
     self._seen = np.zeros(0)  # no member yet
