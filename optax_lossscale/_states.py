@@ -14,12 +14,7 @@ import optax
 from optax_lossscale import _validation
 from optax_lossscale._loss_scale import LossScale
 
-__all__ = [
-  "LossScaleOptimizerState",
-  "SkipRecord",
-  "UnscaleGradientsState",
-  "WriteRecord",
-]
+__all__ = ["LossScaleOptimizerState", "UnscaleGradientsState"]
 
 
 class UnscaleGradientsState(NamedTuple):
