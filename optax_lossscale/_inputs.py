@@ -11,7 +11,8 @@ import numpy as np
 import optax
 from jax.tree_util import keystr, tree_leaves_with_path
 
-from optax_lossscale import _loss_scale, _numerics, _states, _validation
+from optax_lossscale import _loss_scale, _numerics, _states
+from optax_lossscale._validation import describe, must
 
 # flax's `fp8_ops.OVERWRITE_WITH_GRADIENT`: FP8 scales and amax histories,
 # whose "gradients" are their new values.
@@ -50,6 +51,7 @@ def like_grads(params: Any) -> Any:
 def overwritten_leaves(call: str, overwrite: Any, tree: Any) -> Any:
   """Per leaf of `tree`, whether the gradient overwrites it: bools."""
   rule = _in_overwrite_collection if overwrite is None else overwrite
+  where = f"`{call}`: `overwrite_with_gradient`"
   try:  # a function of the path, or a pytree of bools (or its prefix)
     marks = (
       jax.tree_util.tree_map_with_path(lambda p, _: rule(p), tree)
@@ -58,21 +60,17 @@ def overwritten_leaves(call: str, overwrite: Any, tree: Any) -> Any:
     )
   except ValueError as e:
     raise ValueError(
-      f"`{call}`: `overwrite_with_gradient` must be a function or a pytree"
-      f" of bools like the parameters: {e}"
+      f"{where} must be a function or a pytree of bools like the params: {e}"
     ) from None
   for flag in jax.tree.leaves(marks):
     if not isinstance(flag, (bool, np.bool_)):
-      raise TypeError(
-        f"`{call}`: `overwrite_with_gradient` must give a bool per leaf, got"
-        f" {_validation.describe(flag)}."
-      )
+      raise must(TypeError, where, "a bool per leaf", flag)
   return marks
 
 
 def check_loss_scale(call: str, loss_scale: Any) -> None:
   if not isinstance(loss_scale, _loss_scale.LossScale):
-    got = _validation.describe(loss_scale)
+    got = describe(loss_scale)
     if isinstance(loss_scale, type):  # the class: `DynamicLossScale`
       got += f"; call it: `{loss_scale.__name__}()`"
     raise TypeError(f"`{call}(loss_scale=...)` must be a LossScale, got {got}.")
@@ -129,16 +127,13 @@ def check_minimize(call: str, fun: Any, params: Any) -> None:
   `params`: `fun` is not callable (swapped arguments), or `params` are
   `optax.lookahead`'s."""
   if not callable(fun):
-    raise TypeError(
-      f"`{call}(fun, params, state)`: the first argument must be the loss"
-      f" function, got {_validation.describe(fun)}."
-    )
+    where = f"`{call}(fun, params, state)`: the first argument"
+    raise must(TypeError, where, "the loss function", fun)
   if params is not like_grads(params):
     raise TypeError(
-      f"`{call}` differentiates `fun` in all of `params`, and"
-      " `optax.lookahead`'s gradients are of `params.fast`: call"
-      " `scaled_value_and_grad(fun)(state, params.fast)`, then"
-      " `apply_gradients(grads, state, params)`."
+      f"`{call}` differentiates `fun` in all of `params`; `optax.lookahead`'s"
+      " gradients are of `params.fast`: call `scaled_value_and_grad(fun)(state,"
+      " params.fast)`, then `apply_gradients(grads, state, params)`."
     )
 
 
@@ -152,8 +147,7 @@ def check_inputs(
   if isinstance(params, _states.LossScaleOptimizerState):
     order = "fun, params, state" if "minimize" in call else "grads, state"
     raise TypeError(
-      f"`{call}`: `params` is the optimizer state; the arguments are"
-      f" ({order}, ...)."
+      f"`{call}`: `params` is the state; the arguments are ({order}, ...)."
     )
   _states.check_like(call, state, dtypes)
   check_structure(call, grads, params)
