@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from optax_lossscale import _cond
 from optax_lossscale._loss_scale import LossScale
 
 
@@ -58,18 +59,16 @@ def retry(
   """
   if loss_scale.lowered() is None:
     raise ValueError(
-      f"`{call}(max_retries=...)` must be 0 with a"
-      f" {type(loss_scale).__name__}, which cannot be lowered, got"
-      f" {max_retries}."
+      f"`{call}(max_retries=...)` must be 0 with a {type(loss_scale).__name__}"
+      f" (it cannot be lowered), got {max_retries}."
     )
-  # One trace of the user's function: the loop replays it, and the value's
-  # shapes for the loop's carry come from the replay, not a second trace.
-  converted, consts = jax.closure_convert(attempt, loss_scale, operand)
-  run = lambda ls, operand: converted(ls, operand, *consts)  # noqa: E731
+  # One trace of the user's function, which the loop replays; it gives the
+  # value's shapes for the loop's carry.
+  replay, consts, (value_like, _) = _cond.hoist(attempt, (loss_scale, operand))
 
   def body(carry: tuple[Any, ...]) -> tuple[Any, ...]:
     retries, _, ls, _, operand = carry
-    value, grads = run(ls, operand)
+    value, grads = replay(consts, ls, operand)
     verdict = check(ls, value, grads)
     lowered = ls.lowered()
     overflowed = verdict.loss_finite & ~verdict.grads_finite
@@ -79,7 +78,6 @@ def retry(
     ls = optax.tree.where(again, lowered, ls)
     return retries + 1, again, ls, value, operand
 
-  value_like = jax.eval_shape(run, loss_scale, operand)[0]
   placeholder = optax.tree.zeros_like(value_like)
   start = (jnp.int32(0), jnp.array(True), loss_scale, placeholder, operand)
   *_, value, operand = lax.while_loop(lambda carry: carry[1], body, start)
