@@ -14,8 +14,6 @@ from jax.sharding import PartitionSpec as P
 
 from optax_lossscale import _numerics
 
-__all__: list[str] = []
-
 
 def hoist(
   fun: Callable[..., Any], operands: tuple[Any, ...]
@@ -94,17 +92,17 @@ def _batched(
   funs: Sequence[Callable[..., Any]],
   size: int,
   batched: Any,
-  index: Any,
-  consts: Any,
-  operands: Any,
+  *args: Any,
 ) -> tuple[Any, Any]:
-  """The conditional's batching rule: every branch, then a select per leaf."""
+  """The conditional's batching rule: every branch, then a select per leaf.
+
+  `args` are the conditional's: `(index, consts, operands)`.
+  """
   axes = jax.tree.map(lambda b: 0 if b else None, batched)
   if not batched[0]:  # one branch for all members: a batched conditional
-    out = jax.vmap(plain, in_axes=tuple(axes), axis_size=size)(
-      index, consts, operands
-    )
+    out = jax.vmap(plain, in_axes=tuple(axes), axis_size=size)(*args)
   else:
+    index, consts, operands = args
     cases = [
       jax.vmap(f, in_axes=(a, *axes[2]), axis_size=size)(c, *operands)
       for f, c, a in zip(funs, consts, axes[1], strict=True)
