@@ -63,7 +63,22 @@ def switch(
     return _nested(index, list(map(functools.partial, funs, consts)), operands)
 
   run = jax.custom_batching.custom_vmap(plain)
-  run.def_vmap(functools.partial(_batched, plain, funs))
+
+  @run.def_vmap
+  def vmap_rule(size: int, in_batched: Any, *args: Any) -> tuple[Any, Any]:
+    # Every branch, then a select per leaf; `args` are `plain`'s.
+    axes = jax.tree.map(lambda b: 0 if b else None, in_batched)
+    if not in_batched[0]:  # one branch for all members: a batched conditional
+      out = jax.vmap(plain, in_axes=tuple(axes), axis_size=size)(*args)
+    else:
+      index, consts, operands = args
+      cases = [
+        jax.vmap(f, in_axes=(a, *axes[2]), axis_size=size)(c, *operands)
+        for f, c, a in zip(funs, consts, axes[1], strict=True)
+      ]
+      out = jax.tree.map(lambda *leaves: _select(index, leaves), *cases)
+    return out, jax.tree.map(lambda _: True, out)
+
   differentiable = jax.custom_jvp(run)
 
   @differentiable.defjvp
@@ -85,30 +100,6 @@ def _nested(
     return branches[0](*operands)
   rest = lambda *ops: _nested(index - 1, branches[1:], ops)  # noqa: E731
   return lax.cond(index > 0, rest, branches[0], *operands)
-
-
-def _batched(
-  plain: Callable[..., Any],
-  funs: Sequence[Callable[..., Any]],
-  size: int,
-  batched: Any,
-  *args: Any,
-) -> tuple[Any, Any]:
-  """The conditional's batching rule: every branch, then a select per leaf.
-
-  `args` are the conditional's: `(index, consts, operands)`.
-  """
-  axes = jax.tree.map(lambda b: 0 if b else None, batched)
-  if not batched[0]:  # one branch for all members: a batched conditional
-    out = jax.vmap(plain, in_axes=tuple(axes), axis_size=size)(*args)
-  else:
-    index, consts, operands = args
-    cases = [
-      jax.vmap(f, in_axes=(a, *axes[2]), axis_size=size)(c, *operands)
-      for f, c, a in zip(funs, consts, axes[1], strict=True)
-    ]
-    out = jax.tree.map(lambda *leaves: _select(index, leaves), *cases)
-  return out, jax.tree.map(lambda _: True, out)
 
 
 def _select(index: jax.Array, cases: Sequence[jax.Array]) -> Any:
