@@ -108,6 +108,8 @@ def check_structure(call: str, grads: Any, params: Any) -> None:
   for name, (_, g), (_, p) in zip(keys[0], *pairs, strict=True):
     if g is None:  # None for None: Equinox's gradients of non-parameters
       problem = "" if p is None else "is None, its parameter not"
+    elif p is None:
+      problem = "is not None, its parameter is"
     elif np.shape(g) != np.shape(p):
       problem = f"has shape {np.shape(g)}, its parameter {np.shape(p)}"
     elif _numerics.varying_axes(g) - _numerics.varying_axes(p):

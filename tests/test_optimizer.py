@@ -1156,6 +1156,15 @@ def test_a_none_gradient_needs_a_none_parameter():
     tx.apply_gradients({"w": jnp.ones(2), "f": None}, tx.init(params), params)
 
 
+def test_a_gradient_of_a_none_parameter_is_named():
+  tx = ols.LossScaleOptimizer(optax.sgd(1.0), ols.DynamicLossScale())
+  params = {"w": jnp.ones(2), "f": None}
+  state = tx.init(params)
+  for grad in (jnp.float32(1.0), jnp.ones(1)):
+    with pytest.raises(ValueError, match=r"\['f'\] is not None, its param"):
+      tx.update({"w": jnp.ones(2), "f": grad}, state, params)
+
+
 def test_init_warns_for_float16_parameters_with_a_float16_state():
   half = {"w": jnp.ones(3, jnp.float16)}
   tx = ols.LossScaleOptimizer(optax.adam(1e-3), ols.DynamicLossScale())
