@@ -165,6 +165,16 @@ def test_dynamic_rejects_bad_hyperparameters_naming_argument_and_value(
     dataclasses.replace(running, **kwargs)
 
 
+def test_a_subclass_is_named_by_its_own_class():
+  @jax.tree_util.register_dataclass
+  @dataclasses.dataclass(frozen=True)
+  class Mine(ols.DynamicLossScale):
+    pass
+
+  with pytest.raises(ValueError, match=r"^`Mine\(hysteresis=...\)` must"):
+    Mine(hysteresis=0)
+
+
 def test_dynamic_keeps_numpy_hyperparameters_as_python_values():
   loss_scale = ols.DynamicLossScale(
     np.float32(8),
