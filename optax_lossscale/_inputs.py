@@ -146,11 +146,12 @@ def check_inputs(
 
   `dtypes` is a state of the type, fields and dtypes `init` returns.
   """
-  if isinstance(params, _states.LossScaleOptimizerState):
-    order = "fun, params, state" if "minimize" in call else "grads, state"
-    raise TypeError(
-      f"`{call}`: `params` is the state; the arguments are ({order}, ...)."
-    )
+  for name, given in (("params", params), ("grads", grads)):
+    if isinstance(given, _states.LossScaleOptimizerState):
+      order = "fun, params, state" if "minimize" in call else "grads, state"
+      raise TypeError(
+        f"`{call}`: `{name}` is the state; the arguments are ({order}, ...)."
+      )
   _states.check_like(call, state, dtypes)
   check_structure(call, grads, params)
   slots = state.last_skip.nonfinite.shape[-1]

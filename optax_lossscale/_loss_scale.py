@@ -274,6 +274,11 @@ class _Constant(_BuiltIn):
     return self, jnp.array(True)
 
 
+# One factor raises and lowers the scale: GradScaler's backoff_factor=0.5
+# is multiplier=2.
+_MULTIPLIER = "greater than 1 (the scale grows by it and backs off by it)"
+
+
 def _require(ok: bool, call: str, name: str, wanted: str, value: Any) -> None:
   """Raises a `ValueError` unless `ok`: `call`'s `name` must be `wanted`."""
   if not ok:
@@ -456,7 +461,7 @@ class DynamicLossScale(_BuiltIn):
     low, init = self.min_loss_scale, self.initial_loss_scale
     top = np.inf if self.max_loss_scale is None else self.max_loss_scale
     for name, ok, wanted in (
-      ("multiplier", self.multiplier > 1, "greater than 1"),
+      ("multiplier", self.multiplier > 1, _MULTIPLIER),
       ("min_loss_scale", low >= _TINY, _NORMAL),
       ("initial_loss_scale", init >= low, f"at least min_loss_scale ({low:g})"),
       ("max_loss_scale", top >= init, "at least initial_loss_scale"),

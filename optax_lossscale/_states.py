@@ -266,6 +266,8 @@ def check_like(call: str, state: Any, like: Any) -> None:
   """
   wanted = f"the {type(like).__name__} that `init` returned"
   if not isinstance(state, type(like)):
+    if isinstance(state, dict):  # a checkpoint restored without a target
+      wanted += " (restore a checkpoint into a target built by `init`)"
     raise _validation.must(TypeError, f"`{call}`: the state", wanted, state)
   # Shaped by `inner`, the parameters or the settings: checked elsewhere.
   own = {"inner_state": None, "accumulator": (), "spikes": ()}

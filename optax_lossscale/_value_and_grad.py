@@ -87,7 +87,8 @@ def scaled_value_and_grad(
       loss, aux = out if has_aux else (out, None)
       if jnp.result_type(loss) == jnp.float16 and _may_pass_float16(loss_scale):
         warnings.warn(
-          "`scaled_value_and_grad`: the loss is float16, so is its cotangent,"
+          "`scaled_value_and_grad` (and `minimize`): the loss is float16, so"
+          " is its cotangent,"
           " the loss scale: a scale above 65504 makes every gradient inf, so"
           " each growth past 2**15 costs a skipped step. Return the loss in"
           " float32 (`loss.astype(jnp.float32)` after a float16 forward pass),"

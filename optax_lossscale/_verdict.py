@@ -68,6 +68,11 @@ def read(
       f"`{call}(..., value=...)` must be the loss, a floating-point array,"
       f" got {_validation.describe(value)}."
     )
+  if value is not None and jnp.ndim(value) != 0:  # as Optax's `value`
+    raise ValueError(
+      f"`{call}(..., value=...)` must be the loss, a scalar, got shape"
+      f" {jnp.shape(value)}: pass the mean (a loss per example is not one)."
+    )
   flat = leaves(grads)
   marks = () if overwritten is None else leaves(overwritten)
   pieces = _numerics.pieces(flat, marks)

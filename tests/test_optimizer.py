@@ -1257,10 +1257,32 @@ def test_swapped_arguments_are_named():
   for entry in ["update", "apply_gradients"]:
     with pytest.raises(TypeError, match=r"arguments are \(grads, state, "):
       getattr(TX, entry)(params, params, state)
+    with pytest.raises(TypeError, match=r"`grads` is the state; the arg"):
+      getattr(TX, entry)(state, params, params)
   with pytest.raises(TypeError, match=r"call it: `DynamicLossScale\(\)`"):
     ols.LossScaleOptimizer(optax.sgd(0.1), ols.DynamicLossScale)
   with pytest.raises(TypeError, match=r"arguments are \(inner, loss_scale\)"):
     ols.LossScaleOptimizer(ols.DynamicLossScale(), optax.sgd(0.1))
+
+
+def test_a_state_restored_as_dicts_is_told_to_restore_into_init_s():
+  params = {"w": jnp.ones(2)}
+  restored = TX.init(params)._asdict()  # a restore without a target
+  with pytest.raises(TypeError, match=r"into a target built by `init`"):
+    TX.apply_gradients(params, restored, params)
+
+
+def test_a_loss_per_example_is_refused_as_value():
+  params = {"w": jnp.ones(2)}
+  state = TX.init(params)
+  with pytest.raises(ValueError, match=r"a scalar, got shape \(3,\)"):
+    TX.apply_gradients(params, state, params, value=jnp.ones(3))
+  # Under `vmap`, each member's loss is a scalar.
+  members = jax.tree.map(lambda x: jnp.stack([x, x]), params)
+  states = jax.vmap(TX.init)(members)
+  step = jax.vmap(lambda g, s, p, v: TX.apply_gradients(g, s, p, value=v))
+  _, states = step(members, states, members, jnp.ones(2))
+  assert states.should_apply.tolist() == [True, True]
 
 
 def test_a_leaf_named_value_outside_nnx_keeps_its_name_and_its_checks():
