@@ -64,7 +64,7 @@ def overwritten_leaves(call: str, overwrite: Any, tree: Any) -> Any:
     ) from None
   for flag in jax.tree.leaves(marks):
     if not isinstance(flag, (bool, np.bool_)):
-      raise must(TypeError, where, "a bool per leaf", flag)
+      raise must(TypeError, where, "give a bool per leaf", flag)
   return marks
 
 

@@ -158,29 +158,23 @@ def _both(a: Sequence[Any], b: Sequence[Any]) -> tuple[Any, ...]:
   return tuple(x & y for x, y in zip(a, b, strict=True))
 
 
-def flags(read: Sequence[Piece], n: int, scale: Any = None) -> jax.Array:
+def flags(read: Sequence[Piece], n: int, unscale: Any = None) -> jax.Array:
   """Per leaf of `n`, True iff all it holds is finite: a bool vector, local.
 
-  With a loss `scale`, a trained piece's element counts as finite where its
-  quotient by the scale is: at most the dtype's largest number times the
-  scale, when below 1 (a compare: no unscaled copy). Leaves in no piece
+  With `unscale`, trained pieces are read through it. Leaves in no piece
   (None, integers, `float0`) are finite. No collective combines replicas.
   One variadic reduction per group of at most _GROUP pieces of one type: it
   compiles to one kernel, where a reduction per piece compiled to one each
   (the write record and the exact check are in branches that rarely run,
   but every branch is compiled).
   """
-
-  def finite(piece: Piece) -> jax.Array:
-    x = piece.array
-    if scale is None or piece.overwritten:
-      return jnp.isfinite(x)
-    if jnp.iscomplexobj(x):  # part by part, as `multiply_floats` unscales
-      x = jnp.maximum(jnp.abs(jnp.real(x)), jnp.abs(jnp.imag(x)))
-    size = wide(jnp.abs(x))
-    top = jnp.asarray(jnp.finfo(x.dtype).max, size.dtype)
-    return size <= top * jnp.minimum(scale, 1).astype(size.dtype)  # not NaN
-
+  arrays = [p.array for p in read]
+  trained = [i for i, p in enumerate(read) if not p.overwritten]
+  if unscale is not None and trained:  # one call: its scalars made once
+    for i, x in zip(
+      trained, unscale([arrays[i] for i in trained]), strict=True
+    ):
+      arrays[i] = x
   groups: dict[Any, list[int]] = {}
   for i, p in enumerate(read):
     x = p.array
@@ -192,9 +186,9 @@ def flags(read: Sequence[Piece], n: int, scale: Any = None) -> jax.Array:
   for (shape, _, rows, *_), same in groups.items():
     for at in range(0, len(same), _GROUP):
       group = same[at : at + _GROUP]
-      checked = [finite(read[i]) for i in group]
+      finite = [jnp.isfinite(arrays[i]) for i in group]
       axes = tuple(range(1 if rows else 0, len(shape)))
-      reduced = lax.reduce(checked, [True] * len(checked), _both, axes)
+      reduced = lax.reduce(finite, [True] * len(finite), _both, axes)
       found.extend(r.reshape(-1) for r in jax.tree.leaves(reduced))
       order.extend(leaf for i in group for leaf in read[i].leaves)
   others = sorted(set(range(n)) - set(order))

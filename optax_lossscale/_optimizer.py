@@ -298,13 +298,17 @@ class LossScaleOptimizer:
     if max_norm is not None:
       max_norm = _validation.positive(call, "max_norm", max_norm)
     self.max_norm = max_norm
-    skip = _validation.boolean(call, "skip_nonfinite", skip_nonfinite)
-    self.skip_nonfinite = skip
+    self.skip_nonfinite = _validation.boolean(
+      call, "skip_nonfinite", skip_nonfinite
+    )
     self.axis_name = axis_name
     self.overwrite_with_gradient = overwrite_with_gradient
-    k = gradient_accumulation_steps
-    k = _validation.integer(call, "gradient_accumulation_steps", k, minimum=1)
-    self.gradient_accumulation_steps = k
+    self.gradient_accumulation_steps = _validation.integer(
+      call,
+      "gradient_accumulation_steps",
+      gradient_accumulation_steps,
+      minimum=1,
+    )
     self.spike_sigmas, self.spike_window = _spike_settings(
       call, spike_sigmas, spike_window
     )
@@ -853,13 +857,8 @@ class LossScaleOptimizer:
     g = _unscaled(step, factor, twos)
     if self.gradient_accumulation_steps > 1:
       g = self._mean(step.state, acc, g, kept)
-    # Each leaf's norm, float32: 0 for a None or an overwritten leaf (an
-    # `optax.MaskedNode`, a leaf here to keep the leaves' positions).
-    masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
-    flat = jax.tree.leaves(g, is_leaf=lambda x: x is None or masked(x))
-    norms = [self._norm([None if masked(x) else x]) for x in flat]
-    norms = norms[: none.shape[-1]]
-    return jnp.where(spike.found, jnp.array(norms, jnp.float32), none)
+    norms = self._leaf_norms(g)[: none.shape[-1]]
+    return jnp.where(spike.found, norms, none)
 
   def _clipped_mean(
     self, state: State, acc: Any, g: Any, kept: jax.Array
@@ -871,6 +870,14 @@ class LossScaleOptimizer:
     flags = _numerics.finite_flags(leaves(mean))
     finite = jnp.all(_numerics.agree(flags, self.axis_name))
     return multiply_floats(mean, self._clip(norm, finite)), norm
+
+  def _leaf_norms(self, tree: Any) -> jax.Array:
+    """Each leaf's norm, float32: 0 for a None or an overwritten leaf (an
+    `optax.MaskedNode`, a leaf here to keep the leaves' positions)."""
+    masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
+    flat = jax.tree.leaves(tree, is_leaf=lambda x: x is None or masked(x))
+    norms = [self._norm([None if masked(x) else x]) for x in flat]
+    return jnp.array(norms, jnp.float32).reshape(-1)
 
   def _norm(self, flat: list[Any]) -> jax.Array:
     """The global norm of the leaves `flat` (None ones left out), summed

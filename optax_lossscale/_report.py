@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from itertools import compress
 from typing import Any, NamedTuple
 
 import jax
@@ -153,6 +152,11 @@ def _on_host(call: str, opt_state: Any) -> tuple[Any, bool]:
   return jax.tree.map(rows, host, is_leaf=array), bool(skipped.ndim)
 
 
+def _flagged(items: Sequence[Any], flags: np.ndarray) -> tuple[Any, ...]:
+  """The items whose flag is set."""
+  return tuple(x for x, on in zip(items, flags, strict=True) if on)
+
+
 def _reason(record: Any, m: int) -> str:
   """Why member `m`'s recorded step was skipped."""
   if record.loss_given[m] and not record.loss_finite[m]:
@@ -178,10 +182,10 @@ def _report(state: Any, m: int, batched: bool) -> SkipReport | None:
     skipped_steps=int(state.skipped_steps[m]),
     consecutive_skipped_steps=int(record.consecutive_skipped_steps[m]),
     loss_finite=bool(record.loss_finite[m]) if record.loss_given[m] else None,
-    nonfinite=tuple(compress(names, record.nonfinite[m])),
+    nonfinite=_flagged(names, record.nonfinite[m]),
     member=m if batched else None,
     reason=_reason(record, m),
-    spike=tuple(compress(spikes, record.spiked[m])),
+    spike=_flagged(spikes, record.spiked[m]),
     largest=tuple(names[i] for i in order if norms[i] > 0),
     optimizer_step=int(record.optimizer_step[m]),
     skipped_optimizer_steps=int(state.skipped_optimizer_steps[m]),
@@ -212,7 +216,7 @@ def _write_message(state: Any, ms: list[int], batched: bool) -> str:
   write = state.last_nonfinite_write
   step = write.step[ms[0]]
   member = f" (members {ms})" if batched else ""
-  bad = tuple(compress(state.last_skip.names(), write.nonfinite[ms[0]]))
+  bad = _flagged(state.last_skip.names(), write.nonfinite[ms[0]])
   return (
     f"LossScaleOptimizer{member}: a skipped step was given non-finite"
     f" parameters: {_listed(bad)}. Step {step} (0-based), the last one"

@@ -15,9 +15,11 @@ from optax_lossscale._loss_scale import LossScale, NoOpLossScale
 
 def _may_pass_float16(loss_scale: LossScale) -> bool:
   """Whether the scale can pass float16's largest value, 65504."""
+  if isinstance(loss_scale, NoOpLossScale):
+    return False
   config = loss_scale.get_config()  # a ceiling, or a fixed value, if any
-  top = config.get("max_loss_scale") or config.get("loss_scale_value", jnp.inf)
-  return not isinstance(loss_scale, NoOpLossScale) and top > 65504
+  top = config.get("max_loss_scale", config.get("loss_scale_value"))
+  return top is None or top > 65504
 
 
 __all__ = ["scaled_value_and_grad"]

@@ -87,13 +87,15 @@ def read(
   agreed = _numerics.agree(jnp.stack(local), axis_name)
 
   def exact(inverse: Any, *arrays: jax.Array) -> tuple[jax.Array, jax.Array]:
-    # The pieces and the scale's reciprocal are its operands: a
-    # conditional's operands are buffers, and XLA copies scalar work done
-    # inside one into every kernel. Each reduction unscales what it reads:
-    # pieces unscaled once, for both, are held in memory
-    # (tests/test_accelerator_ready.py).
+    # The pieces are its operands: a conditional's operands are buffers.
+    # Each reduction unscales what it reads: pieces unscaled once, for
+    # both, are held in memory (tests/test_accelerator_ready.py). The sums
+    # unscale by the reciprocal computed outside (`inverse`): XLA copies
+    # scalar work done inside a conditional into each of its kernels. The
+    # flags compute their own, once for all pieces: unscaled by `inverse`
+    # too, XLA:CPU wrote each leaf's unscaled copy for them.
     again = [p._replace(array=a) for p, a in zip(pieces, arrays, strict=True)]
-    flags = _numerics.flags(again, len(flat), scale)
+    flags = _numerics.flags(again, len(flat), loss_scale.unscale)
     unscale = lambda x: multiply_floats(x, *inverse)  # noqa: E731
     unscaled = _numerics.squares(again, axis_name, unscale)[0]
     return _numerics.agree(flags, axis_name), _numerics.root(unscaled)

@@ -1707,6 +1707,31 @@ def test_below_scale_one_a_gradient_that_overflows_once_unscaled_skips(dtype):
     assert bool(state.last_skip.nonfinite[0]) != applies
 
 
+@pytest.mark.parametrize("scale", [2.0**-4, 1000 / 2**16, 0.3])
+def test_below_scale_one_the_verdict_is_the_unscaled_gradients_at_the_edge(
+  scale,
+):
+  # At the edge of float32's range once unscaled, ulp by ulp: a step
+  # applies exactly when `unscale` leaves the gradient finite.
+  ls = ols.DynamicLossScale(scale, min_loss_scale=1e-6)
+  tx = ols.LossScaleOptimizer(optax.sgd(1.0), ls)
+  params = {"w": jnp.zeros(1)}
+  step = jax.jit(tx.apply_gradients)
+  edge = np.float32(np.finfo(np.float32).max * np.float32(ls()))
+  seen = set()
+  for ulps in range(-3, 4):
+    x = edge
+    for _ in range(abs(ulps)):
+      x = np.nextafter(x, np.float32(np.inf if ulps > 0 else 0))
+    grads = {"w": jnp.array([x])}
+    finite = bool(jnp.isfinite(ls.unscale(grads)["w"][0]))
+    new, state = step(grads, tx.init(params), params)
+    assert bool(state.should_apply) == finite, (ulps, x)
+    assert bool(jnp.all(jnp.isfinite(new["w"])))
+    seen.add(finite)
+  assert seen == {True, False}  # the edge is inside the range tried
+
+
 def test_float64_gradients_are_normed_in_float64():
   with jax.enable_x64(True):
     tx = ols.LossScaleOptimizer(
