@@ -75,8 +75,9 @@ def _check_all(node: Any, want: Any, path: str, shape: Any) -> dict[str, Any]:
   return read
 
 
-def _check_loss_scale(ls: LossScale, path: str, shape: Any) -> None:
-  """A `DynamicLossScale`'s state; says what it keeps past its bounds."""
+def _check_loss_scale(ls: LossScale, path: str, shape: Any, depth: int) -> None:
+  """A `DynamicLossScale`'s state; says what it keeps past its bounds, to
+  `check_state`'s caller (`depth` states deep in the tree)."""
   if not isinstance(ls, DynamicLossScale):
     return
   shape = np.shape(_array(ls.current_loss_scale)) if shape is None else shape
@@ -94,7 +95,7 @@ def _check_loss_scale(ls: LossScale, path: str, shape: Any) -> None:
       warnings.warn(
         f"`check_state(tree)` kept `{path}.{name}` = {outside[0].item()!r},"
         f" outside [{low:g}, {high:g}] for these hyperparameters: {then}.",
-        stacklevel=4,
+        stacklevel=4 + depth,
       )
 
 
@@ -140,7 +141,7 @@ def _check_optimizer_state(state: LossScaleOptimizerState, path: str) -> None:
         )
 
 
-def _walk(tree: Any, root: str) -> int:
+def _walk(tree: Any, root: str, depth: int = 0) -> int:
   """Checks the states in `tree`; returns how many loss scales it holds."""
   found = lambda x: isinstance(x, (LossScale, LossScaleOptimizerState))  # noqa: E731
   count = 0
@@ -149,10 +150,11 @@ def _walk(tree: Any, root: str) -> int:
     if isinstance(node, LossScaleOptimizerState):
       _check_optimizer_state(node, path)
       shape = np.shape(_array(node.should_apply))
-      _check_loss_scale(node.loss_scale, f"{path}.loss_scale", shape)
-      count += 1 + _walk(node.inner_state, f"{path}.inner_state")
+      _check_loss_scale(node.loss_scale, f"{path}.loss_scale", shape, depth)
+      inner = f"{path}.inner_state"
+      count += 1 + _walk(node.inner_state, inner, depth + 1)
     elif isinstance(node, LossScale):
-      _check_loss_scale(node, path, None)
+      _check_loss_scale(node, path, None, depth)
       count += 1
   return count
 

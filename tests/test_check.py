@@ -278,6 +278,24 @@ def test_check_state_says_what_it_keeps_outside_the_usual_range(
   assert warning.filename == __file__  # the caller's line
 
 
+def test_check_state_warns_at_the_caller_for_a_nested_loss_scale():
+  inner = optax.chain(
+    ols.unscale_gradients(ols.DynamicLossScale(increment_period=10)),
+    optax.sgd(1.0),
+  )
+  tx = ols.LossScaleOptimizer(inner, ols.DynamicLossScale())
+  state = tx.init({"w": jnp.zeros(2)})
+  ls = state.inner_state[0].loss_scale
+  ls = dataclasses.replace(ls, num_good_steps=jnp.int32(15))
+  state = state._replace(
+    inner_state=(state.inner_state[0]._replace(loss_scale=ls),)
+    + state.inner_state[1:]
+  )
+  with pytest.warns(UserWarning, match=r"inner_state\[0\]") as record:
+    ols.check_state(state)
+  assert [w.filename for w in record] == [__file__]
+
+
 # --- dtypes and shapes --------------------------------------------------------
 
 
