@@ -98,6 +98,11 @@ def test_nothing_is_judged_before_half_the_window():
   seen = _run(_stepper()[0], 6, big_at=(2,))  # 2 values in the window of 8
   assert all(bool(s.should_apply) for _, _, s in seen)
   assert int(seen[-1][2].spikes.written) == 6
+  # The rule judges once `written >= spike_window // 2` (the guide's test).
+  for at, judged in ((3, False), (4, True)):
+    seen = _run(_stepper()[0], at + 1, big_at=(at,))
+    assert int(seen[at - 1][2].spikes.written) == at
+    assert bool(seen[at][2].should_apply) != judged
 
 
 def test_no_spike_on_a_clean_run_and_off_by_default():
