@@ -1276,11 +1276,13 @@ def test_a_loss_per_example_is_refused_as_value():
   params = {"w": jnp.ones(2)}
   state = TX.init(params)
   with pytest.raises(ValueError, match=r"a scalar, got shape \(3,\)"):
-    TX.apply_gradients(params, state, params, value=jnp.ones(3))
+    jax.jit(TX.apply_gradients)(params, state, params, value=jnp.ones(3))
   # Under `vmap`, each member's loss is a scalar.
   members = jax.tree.map(lambda x: jnp.stack([x, x]), params)
   states = jax.vmap(TX.init)(members)
-  step = jax.vmap(lambda g, s, p, v: TX.apply_gradients(g, s, p, value=v))
+  step = jax.jit(
+    jax.vmap(lambda g, s, p, v: TX.apply_gradients(g, s, p, value=v))
+  )
   _, states = step(members, states, members, jnp.ones(2))
   assert states.should_apply.tolist() == [True, True]
 
