@@ -63,16 +63,8 @@ def read(
   Overwritten leaves (`overwritten`, bools per leaf) are checked as they
   are and are not in the norm.
   """
-  if value is not None and not _numerics.is_float(value):
-    raise TypeError(
-      f"`{call}(..., value=...)` must be the loss, a floating-point array,"
-      f" got {_validation.describe(value)}."
-    )
-  if value is not None and jnp.ndim(value) != 0:  # as Optax's `value`
-    raise ValueError(
-      f"`{call}(..., value=...)` must be the loss, a scalar, got shape"
-      f" {jnp.shape(value)}: pass the mean (a loss per example is not one)."
-    )
+  if value is not None:
+    _check_loss(call, value)
   flat = leaves(grads)
   marks = () if overwritten is None else leaves(overwritten)
   pieces = _numerics.pieces(flat, marks)
@@ -88,17 +80,8 @@ def read(
 
   def exact(inverse: Any, *arrays: jax.Array) -> tuple[jax.Array, jax.Array]:
     # The pieces are its operands: a conditional's operands are buffers.
-    # Each reduction unscales what it reads: pieces unscaled once, for
-    # both, are held in memory (tests/test_accelerator_ready.py). The sums
-    # unscale by the reciprocal computed outside (`inverse`): XLA copies
-    # scalar work done inside a conditional into each of its kernels. The
-    # flags compute their own, once for all pieces: unscaled by `inverse`
-    # too, XLA:CPU wrote each leaf's unscaled copy for them.
     again = [p._replace(array=a) for p, a in zip(pieces, arrays, strict=True)]
-    flags = _numerics.flags(again, len(flat), loss_scale.unscale)
-    unscale = lambda x: multiply_floats(x, *inverse)  # noqa: E731
-    unscaled = _numerics.squares(again, axis_name, unscale)[0]
-    return _numerics.agree(flags, axis_name), _numerics.root(unscaled)
+    return _exact(loss_scale, again, len(flat), axis_name, inverse)
 
   def fast(*_: Any) -> tuple[jax.Array, jax.Array]:
     norm = _numerics.root(trained) / scale.astype(trained.dtype)
@@ -113,6 +96,44 @@ def read(
   return Verdict(
     grads_finite=jnp.all(flags), loss_finite=loss_finite, flags=flags, norm=norm
   )
+
+
+def _check_loss(call: str, value: Any) -> None:
+  """Raises unless `value` is a loss: a floating-point scalar, as Optax's
+  `value` is."""
+  if not _numerics.is_float(value):
+    raise TypeError(
+      f"`{call}(..., value=...)` must be the loss, a floating-point array,"
+      f" got {_validation.describe(value)}."
+    )
+  if jnp.ndim(value) != 0:
+    raise ValueError(
+      f"`{call}(..., value=...)` must be the loss, a scalar, got shape"
+      f" {jnp.shape(value)}: pass the mean (a loss per example is not one)."
+    )
+
+
+def _exact(
+  loss_scale: LossScale,
+  pieces: list[_numerics.Piece],
+  n: int,
+  axis_name: _numerics.AxisName,
+  inverse: Any,
+) -> tuple[jax.Array, jax.Array]:
+  """The exact check's branch: per leaf of `n`, whether it is finite once
+  unscaled, and the unscaled gradients' norm.
+
+  Each reduction unscales what it reads: pieces unscaled once, for both,
+  are held in memory (tests/test_accelerator_ready.py). The sums unscale
+  by the reciprocal computed outside the conditional (`inverse`): XLA
+  copies scalar work done inside one into each of its kernels. The flags
+  compute their own, once for all pieces: unscaled by `inverse` too,
+  XLA:CPU wrote each leaf's unscaled copy for them.
+  """
+  flags = _numerics.flags(pieces, n, loss_scale.unscale)
+  unscale = lambda x: multiply_floats(x, *inverse)  # noqa: E731
+  unscaled = _numerics.squares(pieces, axis_name, unscale)[0]
+  return _numerics.agree(flags, axis_name), _numerics.root(unscaled)
 
 
 def decide(
