@@ -402,10 +402,13 @@ class LossScaleOptimizer:
         had, naming its subtrees; or if, inside `shard_map`, the gradients
         vary across devices where the state does not.
       TypeError: if `state` is not a `LossScaleOptimizerState`, or a field
-        of it was cast to another dtype (naming it), at trace time; if the
-        loss is given as `loss=` rather than `value=` (a warning); or if
+        of it was cast to another dtype (naming it), at trace time; or if
         the step fails on an `inner_state` that is not of the structure
         `init` gives (another optimizer's state).
+
+    Warns:
+      UserWarning: if the loss is given as `loss=` without `value=`: no
+        check reads it.
     """
     call = "LossScaleOptimizer.update"
     return self._step(call, grads, state, params, extra_args, fused=False)

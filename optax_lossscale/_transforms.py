@@ -62,8 +62,8 @@ def unscale_gradients(
   Raises:
     TypeError: if `loss_scale` is not a `LossScale`. Its `update` raises
       ValueError when `params` are given and the gradients differ from them
-      in structure or a leaf's shape (naming the leaf), and TypeError when
-      the loss is given as `loss=` rather than `value=`.
+      in structure or a leaf's shape (naming the leaf), and warns
+      (`UserWarning`) when the loss is given as `loss=` without `value=`.
 
   Examples:
     >>> import jax.numpy as jnp
