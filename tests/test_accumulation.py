@@ -677,9 +677,9 @@ def test_a_state_resumed_without_accumulation_ignores_the_open_window():
   # step is judged on its own, the rule's loss included.
   params = {"w": jnp.ones(2)}
   old, new = _with_the_rule(4), _with_the_rule(1)
-  state = old.init(params)
+  state, old_step = old.init(params), jax.jit(old.apply_gradients)
   for _ in range(2):
-    _, state = old.apply_gradients(
+    _, state = old_step(
       {"w": jnp.full(2, 8.0)}, state, params, value=jnp.float32(1e6)
     )
   assert int(state.accumulated) == 2 and float(state.spikes.loss_sum) > 0
@@ -705,10 +705,10 @@ def test_a_resumed_window_judges_no_loss_of_the_window_left_open(k):
   # rule judges the next window by its own losses, not by the open one's.
   params = {"w": jnp.ones(2)}
   old, new = _with_the_rule(4), _with_the_rule(k)
-  state = old.init(params)
+  state, old_step = old.init(params), jax.jit(old.apply_gradients)
   for i in range(4 * 4 + 2):  # four windows (the rule's is half full), then 2
     loss = 100.0 if i >= 16 else 1.0 + 0.1 * (i % 3)
-    _, state = old.apply_gradients(
+    _, state = old_step(
       {"w": jnp.full(2, 8.0 + i % 3)}, state, params, value=jnp.float32(loss)
     )
   assert float(state.spikes.loss_sum) == 200.0
